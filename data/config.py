@@ -1,0 +1,325 @@
+"""Run configuration: nested dataclasses loaded from YAML, with dotted command-line overrides.
+
+Every entry script (`python -m data.regenerate`, `python -m data.extract`, `train/*.py`, `python -m eval.run`)
+accepts the same flags:
+
+    python train/eagle.py --config configs/tiny-eagle.yaml --optim.lr=3e-4 --head.ttt_length=3 --out runs/x
+
+An unknown key or a value of the wrong type raises `ConfigError` naming the key and the file (or the
+command-line flag) it came from; entry scripts turn that into one line on stderr and exit code 2.
+The resolved config is written as `config.yaml` into the run's output folder (`save_config`).
+
+The `head` section is family specific: its `family` key selects the dataclass from the head registry
+(`heads.registry`), so a Medusa field in an EAGLE config is an error too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from heads.base import HeadConfig
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the key and where it came from."""
+
+
+# ----------------------------------------------------------------------------------------------- schema
+@dataclass
+class TargetConfig:
+    """The frozen target model."""
+
+    name_or_path: str = "smollm2-135m"  # hub id, local folder, .gguf file, or a named default (see data.target)
+    revision: str | None = None  # hub revision (branch, tag or commit)
+    gguf_file: str | None = None  # GGUF file name inside name_or_path (hub id or folder)
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
+    trust_remote_code: bool = False  # never set unless you trust the repository's code
+
+
+@dataclass
+class DataConfig:
+    """Conversations to train on and how to tokenize them."""
+
+    path: str = "data/bundled/tiny_conversations.jsonl"  # JSONL file, folder, or `datasets` name
+    format: str = "auto"  # auto | sharegpt | messages | mtbench | prompts | hf
+    split: str = "train"  # split, for `datasets` names
+    max_samples: int | None = None  # keep the first N records
+    skip_malformed: bool = False  # skip (and count) malformed records instead of failing
+    max_length: int = 2048  # truncate tokenized conversations to this many tokens
+    holdout_fraction: float = 0.05  # share of conversations kept out of training for held-out metrics
+    chat_template: str | None = None  # Jinja template overriding the tokenizer's own
+    cache_dir: str | None = None  # where tokenized datasets are cached (default: next to the run)
+
+
+@dataclass
+class RegenerateConfig:
+    """Self-distillation: answer the prompts with the target itself (python -m data.regenerate)."""
+
+    prompts: str = "data/bundled/gsm8k_train.jsonl"  # prompt file (any format data.readers understands)
+    output: str = "regenerated.jsonl"  # ShareGPT JSONL written (relative paths go under --out)
+    num_prompts: int | None = 64  # first N prompts; null for all
+    batch_size: int = 8  # prompts generated together (left padded)
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    system_prompt: str | None = None
+
+
+@dataclass
+class FeaturesConfig:
+    """Where training features come from (python -m data.extract for the offline store)."""
+
+    mode: str = "offline"  # offline (read a store) | online (run the target inside the training loop)
+    store: str = "features"  # store folder (relative paths go under --out)
+    dtype: str = "bfloat16"  # stored dtype: bfloat16 | float16 | float32
+    shard_tokens: int = 262144  # tokens per shard file
+    batch_tokens: int = 8192  # tokens per target forward during extraction
+
+
+@dataclass
+class OptimConfig:
+    """AdamW over head parameters, linear warmup then cosine decay."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 0.5
+    grad_accum: int = 1
+
+
+@dataclass
+class TrainConfig:
+    """The shared training loop (train/loop.py)."""
+
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs)
+    batch_size: int = 4  # conversations per micro-batch per process
+    bucket_by_length: bool = True  # group similar lengths to cut padding
+    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    checkpoint_every: int = 500  # optimizer steps between checkpoints
+    eval_every: int = 200  # optimizer steps between held-out evaluations
+    log_every: int = 10
+    eval_at_end: bool = False  # run eval.run on the trained head when training ends
+    num_workers: int = 0
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = "offline"  # offline | online | disabled (never prompts for a login)
+    wandb_project: str = "draftheads"
+    run_name: str | None = None
+
+
+@dataclass
+class EvalConfig:
+    """Speculative decoding evaluation (python -m eval.run)."""
+
+    bench: list[str] = field(default_factory=lambda: ["mt_bench"])  # bundled names or question files
+    max_questions: int | None = None
+    max_new_tokens: int = 128
+    temperature: list[float] = field(default_factory=lambda: [0.0])
+    num_draft_tokens: int | None = None  # chain length k; null = choose from measured costs
+    tree: str = "auto"  # auto | chain | static | dynamic
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs; each section is documented by its dataclass."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    head: HeadConfig = field(default_factory=lambda: HeadConfig.resolve_class({})())  # see heads/*.py
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+    out: str = "runs/default"  # output folder; --out overrides
+
+
+# ----------------------------------------------------------------------------------------------- machinery
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check `value` against the annotation `tp`, converting only where it is lossless (int -> float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, source)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{source}: key '{key}': expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: key '{key}': expected a mapping, got {value!r}")
+        return from_dict(tp, value, source, prefix=key + ".")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: key '{key}': expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{source}: key '{key}': expected {len(args)} items, got {value!r}")
+            return tuple(_coerce(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        out = [_coerce(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: key '{key}': expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads "3e-4" (no dot) as a string; accept it where a float is expected.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{source}: key '{key}': expected true/false, got {value!r}")
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{source}: key '{key}': expected int, got {value!r}")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{source}: key '{key}': expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict, source: str = "<dict>", prefix: str = "") -> T:
+    """Build dataclass `cls` from `data`, refusing unknown keys and wrong types (naming key and source).
+
+    A dataclass may define `resolve_class(data) -> subclass` to pick a subclass from the data itself
+    (the head section picks its family's dataclass from `family`).
+    """
+    if hasattr(cls, "resolve_class"):
+        try:
+            cls = cls.resolve_class(data)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"{source}: key '{prefix}family': {e}") from None
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key '{prefix}{unknown[0]}' (known in '{prefix or '<top>'}': {', '.join(sorted(names))})"
+        )
+    kwargs = {k: _coerce(v, hints[k], prefix + k, source) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass -> plain dict (tuples become lists), ready for YAML or JSON."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"command line: key '{dotted}': '{p}' is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, cls: type[T] = RunConfig
+) -> T:
+    """Load `cls` from a YAML file and apply `--a.b=value` overrides (values parsed as YAML)."""
+    tree: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+        try:
+            tree = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    cfg = from_dict(cls, tree, source)
+    if overrides:
+        merged = to_dict(cfg)
+        for item in overrides:
+            flag = item[2:] if item.startswith("--") else item
+            if "=" not in flag:
+                raise ConfigError(f"command line: override '{item}' must look like --key.sub=value")
+            key, raw = flag.split("=", 1)
+            try:
+                value = yaml.safe_load(raw) if raw != "" else None
+            except yaml.YAMLError:
+                value = raw
+            _set_dotted(merged, key, value)
+        cfg = from_dict(cls, merged, f"command line ({source} + overrides)")
+    return cfg
+
+
+def save_config(cfg: Any, out_dir: str | Path) -> Path:
+    """Write the resolved config to OUT/config.yaml (what the run really used)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return path
+
+
+def parse_args(
+    description: str, argv: list[str] | None = None, extra: typing.Callable[[argparse.ArgumentParser], None] | None = None
+) -> tuple[RunConfig, argparse.Namespace]:
+    """The common CLI: `--config FILE`, `--out DIR`, dotted overrides; `extra` adds script flags.
+
+    Exits with code 2 and one line on stderr on a config error.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", help="YAML run config (configs/*.yaml)")
+    parser.add_argument("--out", help="output folder (overrides the config's `out`)")
+    if extra is not None:
+        extra(parser)
+    args, rest = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(args.config, rest)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.out:
+        cfg.out = args.out
+    return cfg, args

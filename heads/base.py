@@ -1,0 +1,294 @@
+"""The head interface every drafter family implements, the family registry, and the head folder format.
+
+A family is a module in `heads/` (`eagle.py`, `medusa.py`, `mtp.py`) that provides:
+
+    CONFIGS: dict[str, type[HeadConfig]]          family name -> its config dataclass
+    feature_layers(cfg, target_config) -> list[int]   hidden_states indices the head needs as `aux`
+    build(cfg, target: TargetIO) -> nn.Module         a fresh head (frozen target parts are NOT inside it)
+    loss(head, batch, target: TargetIO) -> (loss, metrics)   metrics has per-position top-1 (`top1/0`, ...)
+    drafter(head, target: TargetIO, **kw) -> Drafter  the decoder adapter (see `Drafter` below)
+
+A head folder is what `save_head` writes and `load_head` reads (`config.json` + `model.safetensors`);
+`load_head` refuses a folder whose target (hidden size, vocab, layers, fingerprint) does not match.
+
+Feature convention (shared with data.features, the store and the decoder): `aux` is the concatenation, in
+ascending order, of transformers' `hidden_states[i]` for the requested indices i (index 0 is the embedding
+output, index i the INPUT of decoder layer i = the output of layer i-1); `last` is the target's final
+hidden state after its final norm (what the target's lm_head reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+FORMAT_VERSION = 1
+
+# family name -> module implementing it; eval and export rebuild any head from its folder through this.
+FAMILIES: dict[str, str] = {
+    "eagle1": "heads.eagle",
+    "eagle3": "heads.eagle",
+    "medusa": "heads.medusa",
+    "mtp": "heads.mtp",
+}
+
+
+class HeadMismatchError(ValueError):
+    """A head folder does not fit the target (or the store); the message names the mismatch."""
+
+
+def family_module(family: str) -> Any:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown head family '{family}' (known: {', '.join(sorted(FAMILIES))})")
+    return importlib.import_module(FAMILIES[family])
+
+
+@dataclass
+class HeadConfig:
+    """Base of every family's head config; `family` picks the dataclass (see `resolve_class`)."""
+
+    family: str = "eagle3"
+
+    @classmethod
+    def resolve_class(cls, data: dict) -> type[HeadConfig]:
+        family = data.get("family", "eagle3")
+        if family not in FAMILIES:
+            raise ValueError(f"unknown head family '{family}' (known: {', '.join(sorted(FAMILIES))})")
+        return family_module(family).CONFIGS[family]
+
+
+# ----------------------------------------------------------------------------------------------- features
+@dataclass
+class Features:
+    """Target features for a batch: aux [B, T, n*H] (may be None when no layer is asked), last [B, T, H]."""
+
+    last: torch.Tensor
+    aux: torch.Tensor | None = None
+
+    def slice(self, start: int, stop: int) -> Features:
+        """Positions [start, stop) along the time axis."""
+        return Features(
+            last=self.last[:, start:stop], aux=None if self.aux is None else self.aux[:, start:stop]
+        )
+
+    def index(self, idx: torch.Tensor) -> Features:
+        """Positions `idx` (1-D long tensor) along the time axis, in that order."""
+        return Features(last=self.last[:, idx], aux=None if self.aux is None else self.aux[:, idx])
+
+
+@dataclass
+class TargetIO:
+    """The frozen pieces of the target a head trains and drafts with (never saved inside the head)."""
+
+    config: Any  # the target's transformers PretrainedConfig (the text config for multimodal models)
+    embed: nn.Module  # token ids -> input embeddings, scaled as the target scales them
+    lm_head: nn.Module  # final hidden -> logits over the target vocab
+    norm: nn.Module | None = None  # the target's final norm
+    last_layer: nn.Module | None = None  # the target's last decoder layer (template for MTP blocks)
+    rotary: nn.Module | None = None  # the target's rotary embedding module (cos, sin = rotary(x, pos))
+    name: str = ""
+    fingerprint: str = ""
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+
+def target_fingerprint(config: Any, embed_weight: torch.Tensor) -> str:
+    """A short id of a target: architecture fields plus a checksum of the first embedding rows.
+
+    Cheap to compute (no full weight hash) yet differs between models of the same shape.
+    """
+    fields = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
+    rows = embed_weight.detach()[:64].float().cpu().contiguous()
+    h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
+    h.update(rows.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------- drafting
+@dataclass
+class DraftTree:
+    """Draft tokens as a tree hanging below the root (the last committed token, not yet seen by the target).
+
+    tokens  [N] long: the drafted token of each node, nodes in topological order (parents first).
+    parents [N] long: index of each node's parent node, -1 for children of the root.
+    probs   [N, V] float or None: the drafter's distribution q each node was drawn from (the distribution
+            at its parent, over the TARGET vocab). None means deterministic drafts (q one-hot on the token).
+    sampling: how siblings were drawn when probs is given: "iid" (each child an independent sample of q,
+            SpecInfer) or "topk" (distinct top-k children, EAGLE): the verifier treats them differently.
+    A chain of k tokens is tokens [k], parents [-1, 0, 1, ..., k-2].
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    probs: torch.Tensor | None = None
+    sampling: str = "iid"
+
+    @staticmethod
+    def chain(tokens: torch.Tensor, probs: torch.Tensor | None = None) -> DraftTree:
+        n = tokens.numel()
+        return DraftTree(tokens.reshape(-1), torch.arange(-1, n - 1, device=tokens.device), probs)
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
+class Drafter(Protocol):
+    """What the speculative decoder (eval.decoder) asks of any drafter.
+
+    Timeline for one generation (batch 1). Positions are absolute token indices.
+      begin(prompt_ids, features, next_token): the target has run over prompt_ids (length n) and
+          produced features for positions 0..n-1 (None if capture_layers is None); next_token (position n)
+          was sampled from its last distribution and is the root of the first draft.
+      draft(k, temperature) -> DraftTree: propose up to k tokens (chain length or tree depth).
+      commit(accepted, features, next_token): the target verified the tree; `accepted` are the node
+          indices on the accepted path (possibly empty); `features` has len(accepted)+1 positions: the
+          root's and each accepted node's, in path order; next_token is the corrected or bonus token,
+          the new root. The drafter must roll its own state (caches) back to the accepted path.
+    """
+
+    # hidden_states indices the drafter needs from every target pass (`aux`); None = no features at all,
+    # () = only `last`.
+    capture_layers: tuple[int, ...] | None
+
+    def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None: ...
+
+    def draft(self, k: int, temperature: float) -> DraftTree: ...
+
+    def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------- folders
+@dataclass
+class HeadMeta:
+    """What config.json records next to the head's own config."""
+
+    family: str
+    target_name: str
+    target_fingerprint: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    layer_ids: list[int] = field(default_factory=list)
+    dtype: str = "float32"
+    extra: dict = field(default_factory=dict)  # training data, steps, etc.
+
+
+def save_head(path: str | Path, head: nn.Module, cfg: HeadConfig, target: TargetIO, extra: dict | None = None) -> Path:
+    """Write `path/config.json` and `path/model.safetensors` (written to temp names, then renamed)."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    mod = family_module(cfg.family)
+    layer_ids = list(mod.feature_layers(cfg, target.config))
+    state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    dtype = str(next(iter(state.values())).dtype).replace("torch.", "") if state else "float32"
+    meta = {
+        "format": "draftheads",
+        "format_version": FORMAT_VERSION,
+        "family": cfg.family,
+        "head_config": dataclasses.asdict(cfg),
+        "target": {
+            "name_or_path": target.name,
+            "fingerprint": target.fingerprint,
+            "model_type": getattr(target.config, "model_type", None),
+            "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size,
+            "num_hidden_layers": target.num_layers,
+        },
+        "layer_ids": layer_ids,
+        "dtype": dtype,
+        "extra": extra or {},
+    }
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt", "family": cfg.family})
+    tmp.replace(out / "model.safetensors")
+    (out / "config.json.tmp").write_text(json.dumps(meta, indent=2))
+    (out / "config.json.tmp").replace(out / "config.json")
+    return out
+
+
+def read_head_config(path: str | Path) -> tuple[HeadConfig, dict]:
+    """Read a head folder's config.json: (the family's config dataclass, the whole json)."""
+    folder = Path(path)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{folder}: not a head folder (no config.json)")
+    try:
+        meta = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    if meta.get("format") != "draftheads":
+        raise ValueError(f"{cfg_path}: not a draftheads head folder (use scripts/export.py --import for other layouts)")
+    family = meta["family"]
+    cls = family_module(family).CONFIGS[family]
+    known = {f.name for f in dataclasses.fields(cls)}
+    raw = meta["head_config"]
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{cfg_path}: unknown head_config key '{unknown[0]}' for family {family}")
+    kwargs = {k: tuple(v) if isinstance(getattr(cls, k, None), tuple) else v for k, v in raw.items()}
+    return cls(**kwargs), meta
+
+
+def check_target(meta: dict, target: TargetIO, where: str, strict_fingerprint: bool = True) -> None:
+    """Refuse a head (or store) made for another target, naming the first mismatch."""
+    t = meta["target"]
+    for key, have in (
+        ("hidden_size", target.hidden_size),
+        ("vocab_size", target.vocab_size),
+        ("num_hidden_layers", target.num_layers),
+    ):
+        if t.get(key) is not None and int(t[key]) != int(have):
+            raise HeadMismatchError(f"{where}: {key} is {t[key]} but the target has {have}")
+    if strict_fingerprint and t.get("fingerprint") and target.fingerprint and t["fingerprint"] != target.fingerprint:
+        raise HeadMismatchError(
+            f"{where}: made for target '{t.get('name_or_path')}' (fingerprint {t['fingerprint']}), "
+            f"but the target is '{target.name}' (fingerprint {target.fingerprint})"
+        )
+
+
+def load_head(path: str | Path, target: TargetIO, strict_fingerprint: bool = True) -> tuple[nn.Module, HeadConfig, dict]:
+    """Rebuild a head from its folder for `target`; refuses a mismatch (hidden, vocab, layers, ids)."""
+    folder = Path(path)
+    cfg, meta = read_head_config(folder)
+    check_target(meta, target, str(folder), strict_fingerprint)
+    mod = family_module(cfg.family)
+    want_layers = list(mod.feature_layers(cfg, target.config))
+    if list(meta.get("layer_ids", [])) != want_layers:
+        raise HeadMismatchError(
+            f"{folder}: layer_ids {meta.get('layer_ids')} do not match {want_layers} for this target"
+        )
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights}: missing")
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # safetensors raises its own error types for truncated files
+        raise ValueError(f"{weights}: unreadable or truncated ({e})") from None
+    head = mod.build(cfg, target)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise HeadMismatchError(f"{weights}: missing keys {missing[:3]} / unexpected keys {unexpected[:3]}")
+    for k, v in head.state_dict().items():
+        if v.shape != state[k].shape:
+            raise HeadMismatchError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+    head.eval()
+    return head, cfg, meta

@@ -1,0 +1,20 @@
+"""Shared fixtures: tiny random targets built in-process (no download), temp run folders."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    """(model, tokenizer, TargetIO) of the tiny random Llama (hidden 64, 4 layers, byte vocab 259)."""
+    from data.config import TargetConfig
+    from data.target import load_target
+
+    return load_target(TargetConfig(name_or_path="tiny-random-llama", device="cpu"))
