@@ -1,0 +1,218 @@
+"""Conversation and prompt readers: ShareGPT, OpenAI `messages`, MT-bench questions, plain prompts, `datasets`.
+
+Every reader yields `Record`s: an id and a list of chat messages `{"role": "system"|"user"|"assistant",
+"content": str}`. Prompt-only formats (MT-bench, plain prompts) have user turns only; they feed
+regeneration (`python -m data.regenerate`) and the eval benchmarks.
+
+Formats (one JSON object per line; `.gz` files are read transparently):
+  sharegpt  {"id": ..., "conversations": [{"from": "human"|"gpt"|"system", "value": "..."}]}
+  messages  {"messages": [{"role": "user"|"assistant"|"system", "content": "..."}]}
+  mtbench   {"question_id": 81, "category": "writing", "turns": ["...", "..."]}
+  prompts   {"prompt": "..."} or {"question": "..."} (GSM8K) or {"instruction": "..."} or {"text": "..."}
+  hf        any `datasets` dataset by name or local path whose records are one of the above
+
+A malformed record raises `DataError` naming the file and line; with `skip_malformed=True` it is skipped
+and counted in `ReadStats` (never dropped silently).
+
+    python -m data.readers data/bundled/mt_bench.jsonl      # print a summary of a file
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("auto", "sharegpt", "messages", "mtbench", "prompts", "hf")
+_ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+         "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+_PROMPT_KEYS = ("prompt", "question", "instruction", "text")
+
+
+class DataError(ValueError):
+    """A data record or file is malformed; the message names the file and line."""
+
+
+@dataclass
+class Record:
+    id: str
+    messages: list[dict[str, str]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReadStats:
+    read: int = 0
+    skipped: int = 0
+    errors: list[str] = field(default_factory=list)  # the first few skip reasons, with file:line
+
+
+def detect_format(obj: dict) -> str:
+    """Which of the formats a parsed record is in (raises ValueError if none)."""
+    if "conversations" in obj:
+        return "sharegpt"
+    if "messages" in obj:
+        return "messages"
+    if "turns" in obj:
+        return "mtbench"
+    if any(k in obj for k in _PROMPT_KEYS):
+        return "prompts"
+    raise ValueError(f"unknown record format (keys: {', '.join(sorted(obj)[:8])})")
+
+
+def _content(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def parse_record(obj: Any, fmt: str, default_id: str) -> Record:
+    """Normalise one parsed JSON object to a Record (raises ValueError with the reason)."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    if fmt == "auto":
+        fmt = detect_format(obj)
+    rid = str(obj.get("id", obj.get("question_id", obj.get("task_id", default_id))))
+    if fmt == "sharegpt":
+        turns = obj.get("conversations")
+        if not isinstance(turns, list) or not turns:
+            raise ValueError("'conversations' must be a non-empty list")
+        msgs = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict) or "from" not in t or "value" not in t:
+                raise ValueError(f"conversations[{i}] needs 'from' and 'value'")
+            role = _ROLE.get(str(t["from"]).lower())
+            if role is None:
+                raise ValueError(f"conversations[{i}]: unknown speaker '{t['from']}'")
+            msgs.append({"role": role, "content": _content(t["value"], f"conversations[{i}].value")})
+        return Record(rid, msgs)
+    if fmt == "messages":
+        turns = obj.get("messages")
+        if not isinstance(turns, list) or not turns:
+            raise ValueError("'messages' must be a non-empty list")
+        msgs = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict) or "role" not in t or "content" not in t:
+                raise ValueError(f"messages[{i}] needs 'role' and 'content'")
+            role = _ROLE.get(str(t["role"]).lower())
+            if role is None:
+                raise ValueError(f"messages[{i}]: unknown role '{t['role']}'")
+            msgs.append({"role": role, "content": _content(t["content"], f"messages[{i}].content")})
+        return Record(rid, msgs)
+    if fmt == "mtbench":
+        turns = obj.get("turns")
+        if not isinstance(turns, list) or not turns:
+            raise ValueError("'turns' must be a non-empty list")
+        msgs = [{"role": "user", "content": _content(t, f"turns[{i}]")} for i, t in enumerate(turns)]
+        return Record(rid, msgs, {"category": str(obj.get("category", "default"))})
+    if fmt == "prompts":
+        for k in _PROMPT_KEYS:
+            if k in obj:
+                return Record(rid, [{"role": "user", "content": _content(obj[k], k)}],
+                              {"category": str(obj.get("category", "default"))})
+        raise ValueError(f"no prompt field (one of {', '.join(_PROMPT_KEYS)})")
+    raise ValueError(f"unknown format '{fmt}' (known: {', '.join(FORMATS)})")
+
+
+def _open_text(path: Path) -> Iterable[str]:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
+
+
+def _iter_jsonl(path: Path, fmt: str, skip_malformed: bool, stats: ReadStats) -> Iterator[Record]:
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield parse_record(json.loads(line), fmt, f"{path.stem}-{lineno}")
+                stats.read += 1
+            except (json.JSONDecodeError, ValueError) as e:
+                reason = f"{path}:{lineno}: {e}"
+                if not skip_malformed:
+                    raise DataError(reason) from None
+                stats.skipped += 1
+                if len(stats.errors) < 5:
+                    stats.errors.append(reason)
+
+
+def iter_records(
+    path: str | Path, fmt: str = "auto", split: str = "train", skip_malformed: bool = False,
+    stats: ReadStats | None = None,
+) -> Iterator[Record]:
+    """Records from a JSONL file (or .jsonl.gz), a folder of them, or a `datasets` name/path."""
+    stats = stats if stats is not None else ReadStats()
+    if fmt not in FORMATS:
+        raise DataError(f"data.format '{fmt}' is not one of {', '.join(FORMATS)}")
+    p = Path(path)
+    if fmt != "hf" and p.is_file():
+        yield from _iter_jsonl(p, fmt, skip_malformed, stats)
+        return
+    if fmt != "hf" and p.is_dir() and any(p.glob("*.jsonl*")):
+        for f in sorted(p.glob("*.jsonl*")):
+            yield from _iter_jsonl(f, fmt, skip_malformed, stats)
+        return
+    if fmt != "hf" and p.suffix in (".jsonl", ".json", ".gz"):
+        raise DataError(f"{p}: no such file")
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(p)) if p.is_dir() else datasets.load_dataset(str(path), split=split)
+    except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
+        raise DataError(f"{path}: cannot load as a datasets dataset ({type(e).__name__}: {e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds[split]
+    for i, obj in enumerate(ds):
+        try:
+            yield parse_record(obj, "auto", f"{p.name}-{i}")
+            stats.read += 1
+        except ValueError as e:
+            reason = f"{path}[{split}] record {i}: {e}"
+            if not skip_malformed:
+                raise DataError(reason) from None
+            stats.skipped += 1
+            if len(stats.errors) < 5:
+                stats.errors.append(reason)
+
+
+def read_records(
+    path: str | Path, fmt: str = "auto", split: str = "train", max_samples: int | None = None,
+    skip_malformed: bool = False,
+) -> tuple[list[Record], ReadStats]:
+    """All (or the first `max_samples`) records and the read statistics."""
+    stats = ReadStats()
+    out: list[Record] = []
+    for rec in iter_records(path, fmt, split, skip_malformed, stats):
+        out.append(rec)
+        if max_samples is not None and len(out) >= max_samples:
+            break
+    return out, stats
+
+
+def to_sharegpt(rec: Record) -> dict[str, Any]:
+    """A Record as one ShareGPT JSON object (what regeneration writes)."""
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    return {"id": rec.id, "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in rec.messages]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print("usage: python -m data.readers FILE [FORMAT]", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        recs, stats = read_records(args[0], args[1] if len(args) > 1 else "auto")
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    turns = sum(len(r.messages) for r in recs)
+    print(f"{args[0]}: {len(recs)} records, {turns} messages, {stats.skipped} skipped")
+
+
+if __name__ == "__main__":
+    main()
