@@ -1,0 +1,356 @@
+"""Extract the frozen target's features into the offline store (layout: see data/store.py).
+
+    python -m data.extract --config configs/tiny-eagle.yaml --out runs/tiny      # both splits
+    python -m data.extract --config C --split train                               # one split
+    accelerate launch --num_processes 4 -m data.extract --config C                # one shard set per rank
+    python -m data.extract --config C --shard-index I --num-shards N              # job I of an array of N
+    python -m data.extract merge STORE      # write manifest.json from the part files of all jobs
+    python -m data.extract verify STORE     # sizes, checksums and coverage; names each bad shard
+
+The layers captured are the head's (`feature_layers(cfg.head, target_config)` of its family); the final
+post-norm hidden state is always stored, logits never (trainers recompute them with the target's lm_head).
+
+Plan (deterministic, so a killed run resumes exactly where it stopped and gives the same bytes as a
+single run): samples are ordered longest first (ties by index; long batches first expose out-of-memory at
+once), rank g of G takes every G-th of them, its samples are cut into padded batches of at most
+features.batch_tokens tokens, and consecutive batches into shards of at least features.shard_tokens real
+tokens. A rerun skips the shards its part file lists (and adopts finished shards it does not list yet),
+deletes leftover `.tmp` files, and redoes only the shard that was in flight.
+Under `accelerate launch` G is the number of processes; with --num-shards N (a job array) G is N times that.
+Before any work, the bytes per token and the projected store size are printed, and the run is refused
+when the disk has less free space than what is left to write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from data.config import RunConfig, parse_args
+from data.features import forward_features
+from data.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    HEADER_KEYS,
+    MANIFEST,
+    ShardWriter,
+    StoreError,
+    bytes_per_token,
+    check_disk_space,
+    free_bytes,
+    merge,
+    part_files,
+    part_name,
+    read_json,
+    sha256_file,
+    shard_index,
+    shard_name,
+    split_dirs,
+    store_root,
+    torch_dtype,
+    verify,
+    write_json_atomic,
+)
+from data.target import text_config
+from heads.base import family_module, target_fingerprint
+
+SPLITS = ("train", "holdout")
+
+
+def head_layer_ids(cfg: RunConfig, target_config: Any) -> list[int]:
+    """The hidden_states indices the configured head family asks for (may be empty: `last` only)."""
+    mod = family_module(cfg.head.family)
+    if not hasattr(mod, "feature_layers"):
+        raise RuntimeError(f"head family '{cfg.head.family}' ({mod.__name__}) does not define feature_layers yet")
+    return [int(i) for i in mod.feature_layers(cfg.head, target_config)]
+
+
+def plan_shards(lengths: list[int], rank: int, world: int, batch_tokens: int, shard_tokens: int) -> list[list[list[int]]]:
+    """This rank's work: shards -> batches -> sample indices (see the module docstring).
+
+    A batch holds samples while (count x its longest length) <= batch_tokens (a longer sample goes alone);
+    a shard closes after the batch that brings its real tokens to >= shard_tokens.
+    Example: lengths [5, 9, 2, 7, 3], world 2, batch_tokens 16, shard_tokens 10. Longest first:
+    [1, 3, 0, 4, 2] (lengths 9 7 5 3 2). Rank 0 takes [1, 0, 2], rank 1 takes [3, 4].
+    Rank 0: batches [1] (9 x 1; adding sample 0 would pad to 18 > 16), [0, 2] (5 x 2 = 10);
+    shards [[[1], [0, 2]]] (9 < 10 tokens after the first batch, 16 after the second).
+    """
+    if batch_tokens < 1 or shard_tokens < 1:
+        raise ValueError("features.batch_tokens and features.shard_tokens must be positive")
+    if lengths and min(lengths) < 1:
+        raise ValueError(f"sample {lengths.index(min(lengths))} has no tokens")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))[rank::world]
+    batches: list[list[int]] = []
+    for i in order:
+        # Lengths only decrease along `order`, so the batch's first sample is its longest.
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    shards: list[list[list[int]]] = []
+    tokens = shard_tokens
+    for b in batches:
+        if tokens >= shard_tokens:
+            shards.append([])
+            tokens = 0
+        shards[-1].append(b)
+        tokens += sum(lengths[i] for i in b)
+    return shards
+
+
+def target_info(model: nn.Module, name: str, revision: str | None) -> dict:
+    """What the manifest records about the target (what the reader checks against)."""
+    tc = text_config(model.config)
+    return {
+        "name_or_path": name,
+        "fingerprint": target_fingerprint(tc, model.get_input_embeddings().weight),
+        "revision": revision,
+        "commit_hash": getattr(model.config, "_commit_hash", None),
+        "model_type": getattr(tc, "model_type", None),
+        "hidden_size": int(tc.hidden_size),
+        "num_hidden_layers": int(tc.num_hidden_layers),
+        "vocab_size": int(tc.vocab_size),
+    }
+
+
+def make_header(target: dict, layer_ids: list[int], dtype: str, split: str, dataset: datasets.Dataset,
+                world: int, batch_tokens: int, shard_tokens: int) -> dict:
+    """The store-wide fields every part file and the manifest of one split carry (store.HEADER_KEYS)."""
+    from data.tokenize import dataset_fingerprint
+
+    h = target["hidden_size"]
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "split": split,
+        "target": target,
+        "layer_ids": list(layer_ids),
+        "dtype": dtype,
+        "hidden_size": h,
+        "width": h * (1 + len(layer_ids)),
+        "bytes_per_token": bytes_per_token(h, len(layer_ids), dtype),
+        "data_fingerprint": dataset_fingerprint(dataset),
+        "num_samples": len(dataset),
+        "num_tokens": int(sum(dataset["length"])) if len(dataset) else 0,
+        "world": world,
+        "batch_tokens": batch_tokens,
+        "shard_tokens": shard_tokens,
+    }
+
+
+def _refuse_foreign(split_dir: Path, header: dict) -> None:
+    """Refuse to add to a folder that holds another extraction (naming the first differing field)."""
+    others = ([split_dir / MANIFEST] if (split_dir / MANIFEST).is_file() else []) + part_files(split_dir)
+    for path in others:
+        meta = read_json(path)
+        for key in HEADER_KEYS:
+            if meta.get(key) != header[key]:
+                raise StoreError(
+                    f"{path}: this folder holds another extraction ('{key}' is {meta.get(key)!r}, this run has "
+                    f"{header[key]!r}); delete {split_dir} or set features.store to another folder"
+                )
+
+
+def _done_shards(split_dir: Path, part: dict, planned: list[list[list[int]]], rank: int, world: int) -> list[dict]:
+    """Finished shards to keep: those the part file lists (size checked), then finished files it does not
+    list yet (a kill between rename and part update), adopted after checking their samples match the plan."""
+    done: list[dict] = []
+    for entry in part.get("shards", []):
+        path = split_dir / entry["file"]
+        if entry["file"] != shard_name(rank, world, len(done)) or not path.is_file() or path.stat().st_size != entry["bytes"]:
+            break
+        done.append(entry)
+    while len(done) < len(planned):
+        path = split_dir / shard_name(rank, world, len(done))
+        if not path.is_file():
+            break
+        want = [i for b in planned[len(done)] for i in b]
+        try:
+            idx = shard_index(path)
+        except StoreError:
+            break
+        if idx["sample_ids"].tolist() != want:
+            break
+        done.append({"file": path.name, "num_samples": len(want), "num_tokens": int(idx["offsets"][-1]),
+                     "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+    for path in split_dir.glob(f"shard-r{rank:04d}of{world:04d}-*.safetensors"):
+        if int(path.stem.rsplit("-", 1)[1]) >= len(done):
+            path.unlink()  # a finished file we could not adopt: it is redone
+    return done
+
+
+def extract_split(model: nn.Module, dataset: datasets.Dataset, split_dir: Path, header: dict, rank: int = 0,
+                  pad_id: int = 0, show_progress: bool = True) -> dict:
+    """Write (or finish) this rank's shards of one split and its part file; returns the part dict."""
+    split_dir.mkdir(parents=True, exist_ok=True)
+    _refuse_foreign(split_dir, header)
+    world, layer_ids = int(header["world"]), list(header["layer_ids"])
+    lengths = list(dataset["length"]) if len(dataset) else []
+    planned = plan_shards(lengths, rank, world, int(header["batch_tokens"]), int(header["shard_tokens"]))
+    for tmp in split_dir.glob(f"shard-r{rank:04d}of{world:04d}-*.tmp"):
+        tmp.unlink()  # the shard that was in flight when a previous run died
+    part_path = split_dir / part_name(rank, world)
+    part = read_json(part_path) if part_path.is_file() else {}
+    part = {**header, "rank": rank, "planned_shards": len(planned),
+            "shards": _done_shards(split_dir, part, planned, rank, world), "complete": False}
+    part["complete"] = len(part["shards"]) == len(planned)
+    write_json_atomic(part_path, part)
+    todo = planned[len(part["shards"]):]
+    total = sum(lengths[i] for s in todo for b in s for i in b)
+    dtype = torch_dtype(header["dtype"])
+    device = next(model.parameters()).device
+    meta = {"format": FORMAT, "split": header["split"], "rank": str(rank), "world": str(world),
+            "layer_ids": json.dumps(layer_ids), "dtype": header["dtype"], "hidden_size": str(header["hidden_size"]),
+            "target_fingerprint": header["target"]["fingerprint"], "data_fingerprint": header["data_fingerprint"]}
+    from data.tokenize import collate
+
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract {header['split']} r{rank}",
+               disable=not show_progress or total == 0)
+    for shard in todo:
+        k = len(part["shards"])
+        ids = [i for b in shard for i in b]
+        writer = ShardWriter(split_dir / shard_name(rank, world, k), ids, [lengths[i] for i in ids],
+                             int(header["width"]), dtype, {**meta, "index": str(k)})
+        try:
+            for batch in shard:
+                rows = dataset[batch]
+                col = collate([{"input_ids": a, "loss_mask": m} for a, m in zip(rows["input_ids"], rows["loss_mask"])],
+                              pad_id)
+                att = col["attention_mask"].to(device)
+                feats, _ = forward_features(model, col["input_ids"].to(device), att, layer_ids)
+                x = feats.last if feats.aux is None else torch.cat([feats.last, feats.aux], dim=-1)
+                # Boolean indexing walks [B, T] row-major: sample after sample, tokens in order, padding
+                # dropped: exactly the packed order the shard's offsets describe.
+                writer.write(x.to(dtype)[att.bool()])
+                bar.update(int(att.sum()))
+            entry = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        part["shards"].append(entry)
+        part["complete"] = len(part["shards"]) == len(planned)
+        write_json_atomic(part_path, part)
+        bar.write(f"wrote {entry['file']} ({entry['num_samples']} samples, {entry['num_tokens']} tokens, "
+                  f"{entry['bytes'] / 1e6:.1f} MB)", file=sys.stderr)
+    bar.close()
+    return part
+
+
+def _existing_bytes(split_dir: Path, header: dict) -> int:
+    """Bytes of finished shards already in a folder of the same extraction (not to be written again)."""
+    if not split_dir.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in split_dir.glob(f"shard-r*of{int(header['world']):04d}-*.safetensors"))
+
+
+def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0, num_shards: int = 1) -> list[Path]:
+    """Extract the configured splits (this process's share); returns the split folders."""
+    from accelerate import PartialState
+
+    from data.target import load_target
+    from data.tokenize import build_datasets
+
+    state = PartialState()
+    if not 0 <= shard_index_ < num_shards:
+        raise ValueError(f"--shard-index {shard_index_} must be in 0..{num_shards - 1}")
+    rank = shard_index_ * state.num_processes + state.process_index
+    world = num_shards * state.num_processes
+    if state.num_processes > 1 and cfg.target.device == "auto":
+        cfg.target.device = str(state.device)  # one GPU per rank, not all ranks on cuda:0
+    model, tok, _ = load_target(cfg.target)
+    layer_ids = head_layer_ids(cfg, text_config(model.config))
+    with state.main_process_first():  # the tokenized cache is written once, then read by the others
+        train, holdout = build_datasets(cfg, tok)
+    data = {"train": train, "holdout": holdout}
+    target = target_info(model, cfg.target.name_or_path, cfg.target.revision)
+    root = store_root(cfg)
+    headers = {s: make_header(target, layer_ids, cfg.features.dtype, s, data[s], world, cfg.features.batch_tokens,
+                              cfg.features.shard_tokens) for s in splits}
+    bpt = bytes_per_token(target["hidden_size"], len(layer_ids), cfg.features.dtype)
+    tokens = sum(h["num_tokens"] for h in headers.values())
+    # Headers of the safetensors files and the offsets index add ~1%: counted in the projection.
+    projected = int(tokens * bpt * 1.01)
+    left = max(0, projected - sum(_existing_bytes(root / s, headers[s]) for s in splits))
+    loud = state.is_main_process
+    if loud:
+        print(f"features: {len(layer_ids)} aux layers {layer_ids} + last, hidden {target['hidden_size']}, "
+              f"{cfg.features.dtype}: {bpt} bytes per token; {tokens} tokens ({', '.join(splits)}) -> projected "
+              f"store {projected / 1e9:.3f} GB, {left / 1e9:.3f} GB left to write, "
+              f"{free_bytes(root) / 1e9:.1f} GB free at {root}", file=sys.stderr)
+    check_disk_space(root, left)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    t0 = time.perf_counter()
+    for s in splits:
+        extract_split(model, data[s], root / s, headers[s], rank, pad_id, show_progress=state.is_local_main_process)
+    state.wait_for_everyone()
+    for s in splits:
+        folder = root / s
+        parts = [read_json(p) for p in part_files(folder)]
+        if len(parts) == world and all(p.get("complete") for p in parts):
+            if state.is_main_process:
+                merge(folder)
+        elif loud:
+            print(f"{folder}: {sum(bool(p.get('complete')) for p in parts)} of {world} parts finished; after all jobs "
+                  f"finish run `python -m data.extract merge {root}`", file=sys.stderr)
+    if loud:
+        print(f"extraction done in {time.perf_counter() - t0:.1f} s: {root}", file=sys.stderr)
+    return [root / s for s in splits]
+
+
+def _subcommand(argv: list[str]) -> int:
+    """`verify STORE` / `merge STORE`: exit 0 when sound, 1 with one line per problem otherwise."""
+    p = argparse.ArgumentParser(prog="python -m data.extract")
+    p.add_argument("command", choices=("verify", "merge"))
+    p.add_argument("store", help="store folder (with train/ holdout/ inside) or one split folder")
+    p.add_argument("--no-checksums", action="store_true", help="verify: check sizes only (fast)")
+    args = p.parse_args(argv)
+    bad = 0
+    try:
+        for folder in split_dirs(args.store):
+            if args.command == "merge":
+                m = merge(folder)
+                print(f"{folder}: merged {len(m['shards'])} shards, {m['num_samples']} samples, {m['num_tokens']} tokens")
+                continue
+            problems = verify(folder, checksums=not args.no_checksums)
+            for line in problems:
+                print(f"BAD {line}")
+            bad += len(problems)
+            if not problems:
+                m = read_json(folder / MANIFEST)
+                print(f"OK {folder}: {len(m['shards'])} shards, {m['num_samples']} samples, {m['num_tokens']} tokens")
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("verify", "merge"):
+        raise SystemExit(_subcommand(argv))
+
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--split", choices=(*SPLITS, "all"), default="all", help="which tokenized split(s)")
+        p.add_argument("--shard-index", type=int, default=0, help="this job's index in a job array")
+        p.add_argument("--num-shards", type=int, default=1, help="number of jobs in the job array")
+
+    cfg, args = parse_args("Extract target features into the offline store.", argv, extra)
+    splits = SPLITS if args.split == "all" else (args.split,)
+    try:
+        run(cfg, splits, args.shard_index, args.num_shards)
+    except (StoreError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

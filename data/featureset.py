@@ -1,0 +1,132 @@
+"""The one feature interface the training loop uses, offline (read the store) or online (run the target).
+
+    fs = open_featureset(cfg, train_ds, target_model_or_None, layer_ids, "train")
+    len(fs)              # samples
+    fs.lengths           # real tokens per sample (for length bucketing: data.tokenize.length_buckets)
+    batch = fs.batch([3, 17, 5])
+
+`batch` returns the training batch dict of the project conventions, right padded to the longest sample:
+    input_ids [B, T] long, attention_mask [B, T] long, loss_mask [B, T] long,
+    last [B, T, H] float32, aux [B, T, k*H] float32 (only when layer_ids is not empty),
+all on the CPU (the loop moves them), features zero on padding positions in both modes.
+
+cfg.features.mode picks the source:
+  offline  reads STORE/<split_name> (cfg.features.store, relative to cfg.out unless absolute), written by
+           `python -m data.extract`. Opening refuses, naming the mismatch, a store made for another target
+           (fingerprint, or name and shape when no model is given), other layer ids, or other tokenized
+           data (fingerprint, sample count or any sample's length).
+  online   runs the frozen target over the padded batch (data.features.forward_features, no logits) on
+           the target's device; nothing touches the disk.
+A test checks both modes give identical tensors on the tiny target (store in float32).
+"""
+
+from __future__ import annotations
+
+import datasets
+import torch
+from torch import nn
+
+from data.config import RunConfig
+from data.features import forward_features
+from data.store import StoreMismatchError, StoreReader, store_root
+
+
+class FeatureSet:
+    """Samples of one tokenized split with their target features; see the module docstring."""
+
+    def __init__(self, dataset: datasets.Dataset, layer_ids: list[int], pad_id: int = 0,
+                 reader: StoreReader | None = None, target_model: nn.Module | None = None):
+        if (reader is None) == (target_model is None):
+            raise ValueError("FeatureSet needs exactly one source: a store reader or a target model")
+        self.dataset, self.layer_ids, self.pad_id = dataset, list(layer_ids), pad_id
+        self.reader, self.target_model = reader, target_model
+        self.mode = "offline" if reader is not None else "online"
+        self.lengths: list[int] = list(dataset["length"]) if len(dataset) else []
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        from data.tokenize import collate
+
+        rows = self.dataset[list(indices)]
+        out = collate([{"input_ids": a, "loss_mask": m} for a, m in zip(rows["input_ids"], rows["loss_mask"])],
+                      self.pad_id)
+        att = out["attention_mask"]
+        if self.reader is not None:
+            b, t = att.shape
+            h = self.reader.hidden_size
+            last = torch.zeros(b, t, h)
+            aux = torch.zeros(b, t, self.reader.width - h) if self.layer_ids else None
+            for j, i in enumerate(indices):
+                s_last, s_aux = self.reader.sample(int(i))
+                n = s_last.shape[0]
+                last[j, :n] = s_last.float()
+                if aux is not None:
+                    aux[j, :n] = s_aux.float()
+        else:
+            device = next(self.target_model.parameters()).device
+            feats, _ = forward_features(self.target_model, out["input_ids"].to(device), att.to(device), self.layer_ids)
+            keep = att.to(device).unsqueeze(-1).bool()
+            # Padding positions hold whatever the target computed there; zero them as the store does.
+            last = feats.last.masked_fill(~keep, 0).float().cpu()
+            aux = None if feats.aux is None else feats.aux.masked_fill(~keep, 0).float().cpu()
+        out["last"] = last
+        if aux is not None:
+            out["aux"] = aux
+        return out
+
+
+def _check_store(reader: StoreReader, cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.Module | None,
+                 layer_ids: list[int]) -> None:
+    """Refuse a store that does not fit this run, naming the store folder and the mismatch."""
+    from data.extract import target_info
+    from data.target import load_config_only, text_config
+    from data.tokenize import dataset_fingerprint
+
+    m, where = reader.manifest, str(reader.folder)
+    have = m["target"]
+    if target_model is not None:
+        want = target_info(target_model, cfg.target.name_or_path, cfg.target.revision)
+        if have["fingerprint"] != want["fingerprint"]:
+            raise StoreMismatchError(
+                f"{where}: store made for target '{have['name_or_path']}' (fingerprint {have['fingerprint']}), "
+                f"but the target is '{want['name_or_path']}' (fingerprint {want['fingerprint']})")
+    else:
+        tc = text_config(load_config_only(cfg.target))
+        want = {"name_or_path": cfg.target.name_or_path, "hidden_size": int(tc.hidden_size),
+                "num_hidden_layers": int(tc.num_hidden_layers), "vocab_size": int(tc.vocab_size)}
+        for key, value in want.items():
+            if have.get(key) != value:
+                raise StoreMismatchError(f"{where}: store made for a target with {key} {have.get(key)!r}, "
+                                         f"but target.{'name_or_path' if key == 'name_or_path' else 'config'} "
+                                         f"gives {value!r}")
+    if list(m["layer_ids"]) != list(layer_ids):
+        raise StoreMismatchError(f"{where}: store has layer ids {m['layer_ids']} but the head needs {list(layer_ids)} "
+                                 f"(re-extract for this head, or use features.mode=online)")
+    if int(m["num_samples"]) != len(dataset):
+        raise StoreMismatchError(f"{where}: store holds {m['num_samples']} samples, the tokenized split has {len(dataset)}")
+    fp = dataset_fingerprint(dataset)
+    if m["data_fingerprint"] != fp:
+        raise StoreMismatchError(f"{where}: store made from other tokenized data (fingerprint "
+                                 f"{m['data_fingerprint']}, this run's data {fp}); re-extract")
+    lengths = list(dataset["length"]) if len(dataset) else []
+    if reader.lengths != lengths:
+        bad = next(i for i, (a, b) in enumerate(zip(reader.lengths, lengths)) if a != b)
+        raise StoreMismatchError(f"{where}: sample {bad} has {reader.lengths[bad]} tokens in the store, "
+                                 f"{lengths[bad]} in the tokenized data; re-extract")
+
+
+def open_featureset(cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.Module | None, layer_ids: list[int],
+                    split_name: str, pad_id: int = 0) -> FeatureSet:
+    """A FeatureSet over `dataset` in cfg.features.mode (see the module docstring for the checks)."""
+    mode = cfg.features.mode
+    if mode == "online":
+        if target_model is None:
+            raise ValueError("features.mode=online needs the target model (it computes the features)")
+        return FeatureSet(dataset, layer_ids, pad_id, target_model=target_model)
+    if mode != "offline":
+        raise ValueError(f"features.mode '{mode}' is not one of offline, online")
+    reader = StoreReader(store_root(cfg) / split_name, verify_checksums=cfg.features.verify_on_read)
+    _check_store(reader, cfg, dataset, target_model, layer_ids)
+    return FeatureSet(dataset, layer_ids, pad_id, reader=reader)
