@@ -1,0 +1,313 @@
+"""Response regeneration (self-distillation): answer prompts with the target itself, write ShareGPT JSONL.
+
+Drafters accept more tokens when trained on the target's own answers (Medusa-2, EAGLE-3, SpecForge), so
+this rewrites every assistant turn of the prompt set with the target's greedy (or sampled) answer.
+
+    python -m data.regenerate --config configs/smollm2-135m.yaml --out runs/smol \
+        --regenerate.num_prompts=64 --regenerate.max_new_tokens=160
+
+What it does:
+- reads `regenerate.prompts` with data.readers (any format: plain prompts, MT-bench, ShareGPT, messages,
+  a `datasets` name). Only system and user messages are kept; multi-turn records are answered turn by
+  turn, each user turn seeing the target's OWN earlier answers (not the dataset's).
+- generates in batches of `regenerate.batch_size` with `model.generate` (left padding + attention mask,
+  stop at EOS or `max_new_tokens`); greedy when `temperature` is 0, else temperature / top-p sampling.
+- appends one ShareGPT line per finished conversation to OUT/<regenerate.output> (flush + fsync after
+  each batch). A killed run rerun with the same command continues where it stopped: completed ids are
+  read back, a trailing partial line is cut off, and the remaining prompts are generated in the same
+  batches as an uninterrupted run would use, so the final file is the same, with no duplicates.
+- sampling uses one random generator per (prompt id, turn), seeded from `seed`, so a sampled answer does
+  not depend on which other prompts share its batch or on an interruption.
+
+The settings that change answers are stored in OUT/<output stem>.meta.json; resuming with different ones
+is refused (delete the output or pick another --out). Bad input (malformed prompt line, unknown config
+key, missing model or package) prints one `error:` line naming the place and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from data.config import RegenerateConfig, RunConfig, save_config, to_dict
+from data.readers import DataError, Record, read_records, to_sharegpt
+
+
+@dataclass
+class Job:
+    """One conversation to answer: its id, optional system prompt and user turns in order."""
+
+    id: str
+    system: str | None
+    users: list[str]
+
+
+@dataclass
+class Answer:
+    text: str
+    tokens: int  # generated tokens counted for throughput: the answer plus its EOS token when it stopped
+    stopped: bool  # False when max_new_tokens cut the answer off
+
+
+def make_jobs(records: list[Record], system_prompt: str | None) -> tuple[list[Job], list[str]]:
+    """Jobs from read records and the ids of records without any user turn (reported, not answered).
+
+    Existing assistant turns are dropped (they are what we regenerate). A record's own system message is
+    kept unless `system_prompt` replaces it. Duplicate ids get a `#2`, `#3`, ... suffix so that resuming
+    by id stays exact.
+    """
+    jobs: list[Job] = []
+    no_user: list[str] = []
+    seen: dict[str, int] = {}
+    for rec in records:
+        users = [m["content"] for m in rec.messages if m["role"] == "user"]
+        if not users:
+            no_user.append(rec.id)
+            continue
+        own_system = next((m["content"] for m in rec.messages if m["role"] == "system"), None)
+        seen[rec.id] = seen.get(rec.id, 0) + 1
+        rid = rec.id if seen[rec.id] == 1 else f"{rec.id}#{seen[rec.id]}"
+        jobs.append(Job(rid, system_prompt if system_prompt is not None else own_system, users))
+    return jobs, no_user
+
+
+def turn_seed(seed: int, rid: str, turn: int) -> int:
+    """The sampling seed of one answer: a hash of (run seed, prompt id, turn), independent of batching."""
+    digest = hashlib.sha256(f"{seed}/{rid}/{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class RowSampler(LogitsProcessor):
+    """Temperature / top-p sampling with one torch.Generator per batch row.
+
+    `model.generate`'s own sampling draws all rows from one global generator, so a row's tokens would
+    depend on its batch neighbours. Here each row draws from its own seeded generator, and the processor
+    returns scores that are -inf everywhere except the drawn token, so generate runs in greedy mode and
+    simply takes that token.
+    """
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: torch.device):
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            # keep the smallest head of the sorted distribution whose mass reaches top_p: a token is dropped
+            # when the mass BEFORE it already reaches top_p (so the most likely token is always kept)
+            sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= self.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        picks = torch.stack([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)])
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter(1, picks, 0.0)
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Token ids that end an answer: the tokenizer's EOS plus the model's generation-config EOS id(s)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos:
+        ids.update(gen_eos)
+    if not ids:
+        raise DataError("the target's tokenizer and generation config define no EOS token; cannot stop answers")
+    return sorted(ids)
+
+
+def generate_batch(
+    model: Any, tokenizer: Any, conversations: list[list[dict]], rcfg: RegenerateConfig, seeds: list[int] | None
+) -> list[Answer]:
+    """The target's next assistant answer for each conversation, generated together (left padded).
+
+    `seeds` (one per conversation) switch on per-row sampling; None means greedy.
+    """
+    eos = eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    # The template already renders BOS-like markers, so the tokenizer must not add its own.
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(len(r) for r in rows)
+    device = next(model.parameters()).device
+    # Left padding: every row's last prompt token sits at the same column, so new tokens line up; the
+    # attention mask hides the pads and generate derives position ids from it (a row's first real token
+    # gets position 0), which is what keeps batched output equal to one-at-a-time output.
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    att = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
+        att[i, width - len(r):] = 1
+    gen_cfg = GenerationConfig(max_new_tokens=rcfg.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    procs = LogitsProcessorList()
+    if seeds is not None:
+        procs.append(RowSampler(seeds, rcfg.temperature, rcfg.top_p, device))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), generation_config=gen_cfg,
+                             logits_processor=procs)
+    answers = []
+    eos_set = set(eos)
+    for row in out[:, width:].tolist():
+        stop = next((j for j, t in enumerate(row) if t in eos_set), None)
+        body = row if stop is None else row[:stop]
+        text = tokenizer.decode(body, skip_special_tokens=True).strip()
+        answers.append(Answer(text, len(row) if stop is None else stop + 1, stop is not None))
+    return answers
+
+
+def answer_jobs(model: Any, tokenizer: Any, jobs: list[Job], rcfg: RegenerateConfig, seed: int
+                ) -> tuple[list[Record], list[Answer]]:
+    """Answer a batch of jobs turn by turn: round r generates the r-th answer of every job that has one."""
+    convs: list[list[dict]] = [[{"role": "system", "content": j.system}] if j.system is not None else [] for j in jobs]
+    answers: list[Answer] = []
+    for turn in range(max(len(j.users) for j in jobs)):
+        active = [i for i, j in enumerate(jobs) if turn < len(j.users)]
+        for i in active:
+            convs[i].append({"role": "user", "content": jobs[i].users[turn]})
+        seeds = [turn_seed(seed, jobs[i].id, turn) for i in active] if rcfg.temperature > 0 else None
+        got = generate_batch(model, tokenizer, [convs[i] for i in active], rcfg, seeds)
+        for i, a in zip(active, got):
+            convs[i].append({"role": "assistant", "content": a.text})
+        answers += got
+    return [Record(j.id, c) for j, c in zip(jobs, convs)], answers
+
+
+def read_done(path: Path) -> list[str]:
+    """Ids already written to `path`, in order; a trailing partial line (a kill mid-write) is cut off."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1
+    if cut < len(data):
+        with path.open("r+b") as f:
+            f.truncate(cut)
+        print(f"regenerate: {path}: dropped a partial last line ({len(data) - cut} bytes) from an interrupted run",
+              file=sys.stderr)
+    ids = []
+    for lineno, line in enumerate(data[:cut].splitlines(), 1):
+        try:
+            ids.append(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DataError(f"{path}:{lineno}: not a regenerated record ({type(e).__name__}: {e}); "
+                            "delete the file to start over") from None
+    return ids
+
+
+def _settings(cfg: RunConfig) -> dict[str, Any]:
+    """What decides the answers (batch_size does not: batched output equals one-at-a-time output)."""
+    r = cfg.regenerate
+    return {"target": to_dict(cfg.target) | {"device": None}, "prompts": r.prompts, "split": r.split,
+            "num_prompts": r.num_prompts, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
+            "top_p": r.top_p, "system_prompt": r.system_prompt, "seed": cfg.seed}
+
+
+def _check_settings(meta_path: Path, out_path: Path, settings: dict[str, Any], resuming: bool) -> None:
+    if not resuming:
+        meta_path.write_text(json.dumps(settings, indent=2))
+        return
+    if not meta_path.is_file():
+        raise DataError(f"{out_path} exists but {meta_path.name} does not, so it cannot be resumed safely; "
+                        "delete it or use another --out")
+    old = json.loads(meta_path.read_text())
+    for key in settings:
+        if old.get(key) != settings[key]:
+            raise DataError(f"{out_path} was written with regenerate setting '{key}' = {old.get(key)!r}, now "
+                            f"{settings[key]!r}; rerun with the old settings to resume, or delete it")
+
+
+def regenerate(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
+    """Run (or resume) regeneration for `cfg`; returns the summary. Loads the target unless given one."""
+    rcfg = cfg.regenerate
+    if rcfg.batch_size < 1 or rcfg.max_new_tokens < 1:
+        raise DataError("regenerate.batch_size and regenerate.max_new_tokens must be >= 1")
+    if rcfg.temperature < 0 or not 0 < rcfg.top_p <= 1:
+        raise DataError("regenerate.temperature must be >= 0 and regenerate.top_p in (0, 1]")
+    records, stats = read_records(rcfg.prompts, "auto", rcfg.split, rcfg.num_prompts, rcfg.skip_malformed)
+    jobs, no_user = make_jobs(records, rcfg.system_prompt)
+    if not jobs:
+        raise DataError(f"{rcfg.prompts}: no prompts with a user turn")
+    if model is None or tokenizer is None:
+        from data.target import load_model, load_tokenizer
+
+        model, tokenizer = load_model(cfg.target), load_tokenizer(cfg.target)
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir)
+    out_path = Path(rcfg.output) if Path(rcfg.output).is_absolute() else out_dir / rcfg.output
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done_ids = read_done(out_path)
+    _check_settings(out_path.with_suffix(".meta.json"), out_path, _settings(cfg), out_path.exists())
+    done = set(done_ids)
+    pending = sum(j.id not in done for j in jobs)
+
+    tokens = truncated = answered = 0
+    start = time.perf_counter()
+    bar = tqdm(total=len(jobs), initial=len(jobs) - pending, unit="prompt", desc="regenerate", dynamic_ncols=True)
+    with out_path.open("a", encoding="utf-8") as f:
+        # Batches are fixed slices of the prompt order, so a resumed run forms the same batches (minus what
+        # is already written) as an uninterrupted one, and appends its lines in the same order.
+        for b in range(0, len(jobs), rcfg.batch_size):
+            batch = [j for j in jobs[b: b + rcfg.batch_size] if j.id not in done]
+            if not batch:
+                continue
+            recs, answers = answer_jobs(model, tokenizer, batch, rcfg, cfg.seed)
+            f.write("".join(json.dumps(to_sharegpt(r), ensure_ascii=False) + "\n" for r in recs))
+            f.flush()
+            os.fsync(f.fileno())
+            tokens += sum(a.tokens for a in answers)
+            truncated += sum(not a.stopped for a in answers)
+            answered += len(answers)
+            bar.update(len(batch))
+            bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.1f} tok/s")
+    bar.close()
+    seconds = time.perf_counter() - start
+    return {
+        "output": str(out_path),
+        "records": len(read_done(out_path)),
+        "prompts_generated": pending,
+        "prompts_resumed": len(jobs) - pending,
+        "answers": answered,
+        "answers_cut_at_max_new_tokens": truncated,
+        "skipped_malformed": stats.skipped,
+        "skipped_without_user_turn": len(no_user),
+        "generated_tokens": tokens,
+        "seconds": seconds,
+        "prompts_per_s": pending / seconds if seconds > 0 else 0.0,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    return (f"regenerate: {s['records']} records in {s['output']} ({s['prompts_generated']} generated now, "
+            f"{s['prompts_resumed']} from an earlier run) | {s['prompts_per_s']:.2f} prompts/s, "
+            f"{s['tokens_per_s']:.1f} tokens/s, {s['generated_tokens']} tokens in {s['seconds']:.1f} s | "
+            f"{s['answers_cut_at_max_new_tokens']}/{s['answers']} answers cut at max_new_tokens | skipped: "
+            f"{s['skipped_malformed']} malformed, {s['skipped_without_user_turn']} without a user turn")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from data.config import parse_args
+    from data.target import TargetLoadError
+
+    cfg, _ = parse_args("Answer prompts with the target (self-distillation) and write ShareGPT JSONL.", argv)
+    try:
+        summary = regenerate(cfg)
+    except (DataError, TargetLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(format_summary(summary))
+
+
+if __name__ == "__main__":
+    main()
