@@ -75,6 +75,8 @@ class RegenerateConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     system_prompt: str | None = None
+    split: str = "train"  # split, for `datasets` names (e.g. train_sft for UltraChat)
+    skip_malformed: bool = False  # skip (and count) malformed prompt records instead of failing
 
 
 @dataclass
@@ -86,6 +88,7 @@ class FeaturesConfig:
     dtype: str = "bfloat16"  # stored dtype: bfloat16 | float16 | float32
     shard_tokens: int = 262144  # tokens per shard file
     batch_tokens: int = 8192  # tokens per target forward during extraction
+    verify_on_read: bool = True  # offline: hash each shard once when first read (names a corrupted shard)
 
 
 @dataclass
@@ -108,6 +111,9 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs)
     batch_size: int = 4  # conversations per micro-batch per process
+    # sequences per optimizer step over all processes; null = batch_size x processes x optim.grad_accum.
+    # When set, grad_accum = global_batch_size / (batch_size x processes), so 1 and N processes train alike.
+    global_batch_size: int | None = None
     bucket_by_length: bool = True  # group similar lengths to cut padding
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     checkpoint_every: int = 500  # optimizer steps between checkpoints

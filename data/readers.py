@@ -130,9 +130,14 @@ def _iter_jsonl(path: Path, fmt: str, skip_malformed: bool, stats: ReadStats) ->
             if not line.strip():
                 continue
             try:
-                yield parse_record(json.loads(line), fmt, f"{path.stem}-{lineno}")
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    # json counts lines and columns inside this one line; report the column only
+                    raise ValueError(f"invalid JSON: {e.msg} at column {e.pos + 1}") from None
+                yield parse_record(obj, fmt, f"{path.stem}-{lineno}")
                 stats.read += 1
-            except (json.JSONDecodeError, ValueError) as e:
+            except ValueError as e:
                 reason = f"{path}:{lineno}: {e}"
                 if not skip_malformed:
                     raise DataError(reason) from None

@@ -135,6 +135,18 @@ def tiny_config(name: str, vocab_size: int) -> Any:
     raise TargetLoadError(f"unknown tiny target '{name}' (known: {', '.join(TINY_NAMES)})")
 
 
+def _reason(e: BaseException) -> str:
+    """An exception's message on one line (hub errors span several; CLI errors must be one line)."""
+    return " ".join(str(e).split())
+
+
+def _check_local(name: str) -> None:
+    """A name that is clearly a filesystem path (absolute, ./, ../, ~) must exist; say so plainly
+    instead of letting the hub client report it as a malformed repo id."""
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
+        raise TargetLoadError(f"target.name_or_path: {name} does not exist")
+
+
 def _dtype(name: str) -> torch.dtype:
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in table:
@@ -164,10 +176,11 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerFast:
         return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     if cfg.gguf_file:
         kwargs["gguf_file"] = cfg.gguf_file
+    _check_local(name)
     try:
         return AutoTokenizer.from_pretrained(name, **kwargs)
-    except OSError as e:
-        raise TargetLoadError(f"target.name_or_path '{name}': cannot load tokenizer ({e})") from None
+    except (OSError, ValueError) as e:
+        raise TargetLoadError(f"target.name_or_path '{name}': cannot load tokenizer ({_reason(e)})") from None
 
 
 def load_model(cfg: TargetConfig) -> nn.Module:
@@ -200,10 +213,11 @@ def load_model(cfg: TargetConfig) -> nn.Module:
                 kwargs["gguf_file"] = cfg.gguf_file
             else:
                 kwargs["use_safetensors"] = True
+            _check_local(name)
         try:
             model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
         except (OSError, ValueError) as e:
-            raise TargetLoadError(f"target.name_or_path '{name}': cannot load model ({e})") from None
+            raise TargetLoadError(f"target.name_or_path '{name}': cannot load model ({_reason(e)})") from None
         if getattr(model.config, "quantization_config", None) is not None and kwargs.get("gguf_file"):
             del model.config.quantization_config  # GGUF weights are dequantized; the entry blocks saving
     model.to(resolve_device(cfg.device))

@@ -84,9 +84,12 @@ def _data_key(cfg: RunConfig, tokenizer: Any) -> str:
     """Cache key: source file(s), reader options, tokenizer vocabulary and template, max length."""
     h = hashlib.sha256()
     p = Path(cfg.data.path)
-    if p.is_file():
-        st = p.stat()
-        h.update(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    # a folder of JSONL files is keyed by every file in it, so editing one invalidates the cache
+    files = [p] if p.is_file() else sorted(p.glob("*.jsonl*")) if p.is_dir() else []
+    if files:
+        for f in files:
+            st = f.stat()
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
     else:
         h.update(cfg.data.path.encode())
     h.update(json.dumps([cfg.data.format, cfg.data.split, cfg.data.max_samples, cfg.data.skip_malformed,
