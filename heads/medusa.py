@@ -1,13 +1,30 @@
-"""Medusa heads: residual SiLU blocks plus a vocabulary projection per head on the last hidden state.
+"""Medusa heads: residual SiLU blocks plus a vocabulary projection per head, all on the last hidden state.
 
-(Implementation lands with the Medusa/MTP issue; the config dataclass is fixed here.)
+Head i (0-based) reads `last` at position t (the target's post-norm hidden state, what its own lm_head
+reads to predict token t+1) and predicts token t+2+i:
+
+    block_i(x) = x <- x + SiLU(W_j x + b_j)  for j < num_layers     (W_j, b_j zero-initialised: identity)
+    logits_i   = lm_heads[i](block_i(last))                          (no norm, no bias)
+
+This is exactly vLLM's Medusa forward (see FORMATS.md "Medusa"). Parameter names follow vLLM's layout so
+the exporter only adds a prefix: `blocks.{i}.layers.{j}.weight` / `.bias` ([H, H] / [H]) and
+`lm_heads.{i}.weight` ([V, H], V = the target's full vocabulary). The Medusa repository's layout maps
+`blocks.{i}.layers.{j}.*` -> `{i}.{j}.linear.*` and `lm_heads.{i}.weight` -> `{i}.{num_layers}.weight`.
+
+Training: `python train/medusa.py --config configs/tiny-medusa.yaml --out runs/medusa-tiny`.
+Drafting: `MedusaDrafter` proposes a static tree (a Medusa choices list) verified by eval.decoder.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from heads.base import HeadConfig
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.base import DraftTree, Features, HeadConfig, TargetIO
 
 
 @dataclass
@@ -15,10 +32,229 @@ class MedusaConfig(HeadConfig):
     family: str = "medusa"
     num_heads: int = 4  # head i predicts token t+2+i
     num_layers: int = 1  # residual blocks per head
-    decay: float = 0.8  # head i's loss weighted decay**i
+    decay: float = 0.8  # head i's loss weighted decay**i (loss = sum over heads, Medusa-1)
     init_from_lm_head: bool = True  # initialise each vocab projection from the target's lm_head
     distill: bool = False  # train against the target's distribution (KL) instead of its tokens (CE)
-    tree: list[list[int]] | None = None  # static tree (Medusa choices); null = a default tree
+    tree: list[list[int]] | None = None  # static tree (Medusa choices); null = DEFAULT_TREE cut to num_heads
 
 
 CONFIGS = {"medusa": MedusaConfig}
+
+# A 24-node default tree (Medusa choices: each path lists the top-k rank chosen at each depth). Wide at
+# depth 1, where the heads are most accurate, thinning with depth; cut to the heads a config has.
+DEFAULT_TREE: list[list[int]] = [
+    [0], [1], [2], [3],
+    [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 2, 0], [2, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0],
+    [0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0],
+]  # fmt: skip
+
+
+def shift_targets(input_ids: torch.Tensor, valid: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels and mask for a prediction made at t of the token at t+shift (Medusa head i uses shift 2+i).
+
+    Returns (labels [B,T] long, mask [B,T] bool): labels[t] = input_ids[t+shift] and mask[t] = valid[t+shift],
+    both padded at the end where t+shift runs past the sequence (label 0, mask 0). Worked example, head 0
+    (shift 2) with tokens [A0 A1 A2 A3] all valid: labels [A2 A3 pad pad], mask [1 1 0 0]. `valid` should
+    already combine loss_mask and attention_mask: position t+shift must be a learnable, real token.
+    Raises ValueError for shift < 1 (a head never predicts its own or an earlier token).
+    """
+    if shift < 1:
+        raise ValueError(f"shift must be >= 1 (predicting token t+shift from position t), got {shift}")
+    labels = torch.zeros_like(input_ids)
+    mask = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
+    if shift < input_ids.shape[1]:
+        labels[:, :-shift] = input_ids[:, shift:]
+        mask[:, :-shift] = valid[:, shift:].bool()
+    return labels, mask
+
+
+class MedusaHead(nn.Module):
+    """`num_heads` heads of `num_layers` residual SiLU blocks and a vocabulary projection each."""
+
+    def __init__(self, cfg: MedusaConfig, hidden_size: int, vocab_size: int):
+        super().__init__()
+        self.cfg = cfg  # plain attribute (not in the state dict): loss and drafter read it
+        num_heads, num_layers = cfg.num_heads, cfg.num_layers
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"layers": nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))})
+            for _ in range(num_heads)
+        )
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+        for block in self.blocks:
+            for lin in block["layers"]:
+                # Zero weight AND bias: x + SiLU(0) = x, so every head starts as the target's own next-token
+                # predictor (Medusa zero-initialises W; the bias too, so the identity is exact).
+                nn.init.zeros_(lin.weight)
+                nn.init.zeros_(lin.bias)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.lm_heads)
+
+    def block(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Head i's residual blocks: x <- x + SiLU(W x + b), layer by layer."""
+        for lin in self.blocks[i]["layers"]:
+            x = x + F.silu(lin(x))
+        return x
+
+    def forward(self, last: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """Logits of the first `heads` heads (all by default): [heads, *last.shape[:-1], V]."""
+        n = self.num_heads if heads is None else heads
+        x = last.to(self.lm_heads[0].weight.dtype)  # features may be stored in bf16; the head is fp32
+        return torch.stack([self.lm_heads[i](self.block(i, x)) for i in range(n)])
+
+
+def feature_layers(cfg: MedusaConfig, target_config: Any) -> list[int]:
+    """Medusa reads only `last`, no intermediate layers."""
+    return []
+
+
+def build(cfg: MedusaConfig, target: TargetIO) -> MedusaHead:
+    """A fresh float32 head on the target's device; vocab projections copied from the target's lm_head."""
+    if cfg.num_heads < 1 or cfg.num_layers < 0:
+        raise ValueError(f"head.num_heads must be >= 1 and head.num_layers >= 0 (got {cfg.num_heads}, {cfg.num_layers})")
+    device = target.lm_head.weight.device
+    head = MedusaHead(cfg, target.hidden_size, target.vocab_size)
+    if cfg.init_from_lm_head:
+        w = target.lm_head.weight.detach().float()
+        if tuple(w.shape) != (target.vocab_size, target.hidden_size):
+            raise ValueError(f"target lm_head weight has shape {tuple(w.shape)}, expected (vocab, hidden)")
+        for lm in head.lm_heads:
+            lm.weight.data.copy_(w)
+    return head.to(device)
+
+
+def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sum over heads of decay**i * (CE to the actual token t+2+i, or KL to the target's distribution).
+
+    Only positions whose predicted token is a real, loss-masked token count. The teacher distribution for
+    token t+2+i is the target's own prediction at position t+1+i: lm_head(last[t+1+i]). `head` may be
+    wrapped (DDP): the computation goes through its forward, the config through `.module`.
+    """
+    cfg: MedusaConfig = getattr(head, "module", head).cfg
+    ids, last = batch["input_ids"], batch["last"]
+    valid = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    shifted = [shift_targets(ids, valid, 2 + i) for i in range(cfg.num_heads)]
+    union = torch.stack([m for _, m in shifted]).any(0)
+    total = last.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    if not union.any():
+        return total, {f"top1/{i}": 0.0 for i in range(cfg.num_heads)}
+    # Only positions some head has a target for pay for the [N, V] projections.
+    logits_all = head(last[union]).float()  # [heads, N, V]
+    for i, (labels, mask) in enumerate(shifted):
+        keep = mask[union]  # head i's positions among the selected ones
+        if not keep.any():
+            metrics[f"top1/{i}"] = 0.0
+            continue
+        logits, gold = logits_all[i][keep], labels[mask]
+        if cfg.distill:
+            # Teacher at t+1+i: rolled[t] = last[t+1+i]. Under `mask`, t+2+i is a real token, so t+1+i is
+            # too and the roll never wraps around for a selected position.
+            teacher_in = torch.roll(last, shifts=-(1 + i), dims=1)[mask]
+            with torch.no_grad():
+                teacher = target.lm_head(teacher_in.to(target.lm_head.weight.dtype)).float().log_softmax(-1)
+            head_loss = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="batchmean")
+        else:
+            head_loss = F.cross_entropy(logits, gold)
+        total = total + (cfg.decay**i) * head_loss
+        metrics[f"loss/{i}"] = float(head_loss.detach())
+        metrics[f"top1/{i}"] = float((logits.argmax(-1) == gold).float().mean())
+    return total, metrics
+
+
+def check_tree(choices: list[list[int]], where: str = "head.tree") -> list[list[int]]:
+    """Validate a Medusa choices list and return it in topological order (by depth, then ranks).
+
+    Every path must be a non-empty list of top-k ranks >= 0, appear once, and have its parent path (all but
+    the last rank) in the list too, so the nodes form a tree below the root.
+    """
+    paths = [list(p) for p in choices]
+    seen = {tuple(p) for p in paths}
+    if len(seen) != len(paths):
+        raise ValueError(f"{where}: duplicate paths")
+    for p in paths:
+        if not p or any((not isinstance(r, int)) or r < 0 for r in p):
+            raise ValueError(f"{where}: path {p} must be a non-empty list of top-k ranks >= 0")
+        if len(p) > 1 and tuple(p[:-1]) not in seen:
+            raise ValueError(f"{where}: path {p} has no parent path {p[:-1]} in the tree")
+    return sorted(paths, key=lambda p: (len(p), p))
+
+
+def tree_from_topk(paths: list[list[int]], topk: torch.Tensor, probs: torch.Tensor | None) -> DraftTree:
+    """The DraftTree of sorted choices `paths`, where topk[d] lists head d's candidates best first.
+
+    Node for path [r0, ..., rd] holds topk[d][rd] and hangs below the node of [r0, ..., r(d-1)] (the root for
+    d = 0); its q is probs[d], the distribution head d drew its candidates from.
+    """
+    index = {(): -1}
+    tokens, parents = [], []
+    for i, p in enumerate(paths):
+        d = len(p) - 1
+        tokens.append(int(topk[d, p[-1]]))
+        parents.append(index[tuple(p[:-1])])
+        index[tuple(p)] = i
+    depth = torch.tensor([len(p) - 1 for p in paths], dtype=torch.long)
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=topk.device),
+        parents=torch.tensor(parents, dtype=torch.long, device=topk.device),
+        probs=None if probs is None else probs[depth.to(probs.device)],
+        sampling="topk",
+    )
+
+
+class MedusaDrafter:
+    """Static-tree drafter: all heads read `last` at the position before the root, once per draft.
+
+    The root (the token the target itself chose) sits at position n; head i proposes candidates for
+    position n+1+i from the hidden state at n-1. Siblings are distinct top-k candidates, so the tree is
+    marked "topk" and each node carries its head's softmax(logits / temperature) as q.
+    """
+
+    capture_layers: tuple[int, ...] | None = ()
+
+    def __init__(self, head: MedusaHead, target: TargetIO, tree: list[list[int]] | None = None):
+        self.head, self.target = head, target
+        num_heads = head.num_heads
+        if tree is not None:
+            paths = check_tree(tree, "drafter tree")
+        elif head.cfg.tree is not None:
+            paths = check_tree(head.cfg.tree)
+        else:
+            paths = check_tree([p for p in DEFAULT_TREE if len(p) <= num_heads], "DEFAULT_TREE")
+        if any(len(p) > num_heads for p in paths):
+            raise ValueError(f"tree has depth {max(map(len, paths))} but the head has only {num_heads} heads")
+        self.paths = paths
+        self.last: torch.Tensor | None = None
+
+    def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
+        if features is None:
+            raise ValueError("MedusaDrafter needs the target's last hidden states (capture_layers = ())")
+        self.last = features.last[0, -1]
+
+    @torch.no_grad()
+    def draft(self, k: int, temperature: float) -> DraftTree:
+        if self.last is None:
+            raise RuntimeError("MedusaDrafter.draft called before begin")
+        paths = [p for p in self.paths if len(p) <= k]
+        device = self.last.device
+        if not paths:
+            return DraftTree.chain(torch.empty(0, dtype=torch.long, device=device))
+        depth = max(len(p) for p in paths)
+        width = max(p[-1] for p in paths) + 1
+        logits = self.head(self.last, heads=depth).float()  # [depth, V]
+        topk = logits.topk(width, dim=-1).indices  # temperature does not change the ranking
+        probs = torch.softmax(logits / temperature, dim=-1) if temperature > 0 else None
+        return tree_from_topk(paths, topk, probs)
+
+    def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
+        if features is None or features.last.shape[1] != len(accepted) + 1:
+            raise ValueError(f"commit: expected features for {len(accepted) + 1} positions")
+        self.last = features.last[0, -1]  # the last accepted node (or the old root): the new root's parent
+
+
+def drafter(head: MedusaHead, target: TargetIO, tree: list[list[int]] | None = None) -> MedusaDrafter:
+    """The decoder adapter (static tree; `tree` overrides the head's configured choices)."""
+    return MedusaDrafter(head, target, tree=tree)

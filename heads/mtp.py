@@ -1,23 +1,367 @@
-"""DeepSeek-V3-style MTP modules: enorm/hnorm, eh_proj (2H -> H), one target-architecture block, shared head.
+"""DeepSeek-V3-style MTP modules: enorm/hnorm, eh_proj (2H -> H), one target-architecture block, own norm.
 
-(Implementation lands with the Medusa/MTP issue; the config dataclass is fixed here.)
+Step k (1-based) at position t combines the embedding of token t+k with the previous step's hidden state
+at t and predicts token t+1+k (FORMATS.md "MTP, DeepSeek-V3 layout"; vLLM's deepseek_mtp forward):
+
+    e   = embed(x[t+k])                      (the target's frozen embedding; zero at position 0, as vLLM)
+    u   = eh_proj(cat(enorm(e), hnorm(h)))   (no bias, embedding first)
+    o   = block(u)                           (one decoder block of the target's class, residuals included)
+    logits = lm_head(norm(o))                (the target's frozen lm_head; `norm` is the module's own)
+
+with h = `last` (the target's post-final-norm hidden state at t) for step 1 and the previous step's `o`
+for step k > 1. The block attends causally over its own step's sequence (positions t' <= t), with the
+target's rotary embedding at the absolute positions. `num_modules` modules run in sequence (step k uses
+module k), or with `recursive` one module runs `num_steps` times (FastMTP).
+
+Parameter names (per module k): `mtp.{k}.enorm.weight`, `mtp.{k}.hnorm.weight`, `mtp.{k}.eh_proj.weight`
+([H, 2H]), `mtp.{k}.block.*` (the decoder layer's own names, e.g. `self_attn.q_proj.weight`) and
+`mtp.{k}.norm.weight` (DeepSeek's `shared_head.norm`). The DeepSeek-V3 layout stores module k as
+`model.layers.{L+k}.{enorm,hnorm,eh_proj}.*`, the block's tensors directly under `model.layers.{L+k}.`, and
+`model.layers.{L+k}.shared_head.norm.weight`; `shared_head.head` and `embed_tokens` are the target's.
+Norms use the target's norm class (Gemma's RMSNorm stores w for a (1 + w) scale).
+
+Training: `python train/mtp.py --config configs/tiny-mtp.yaml --out runs/mtp-tiny`.
+Drafting: `MTPDrafter` proposes a chain, one token per step, keeping one KV cache per step.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
-from heads.base import HeadConfig
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.base import DraftTree, Features, HeadConfig, TargetIO
 
 
 @dataclass
 class MTPConfig(HeadConfig):
     family: str = "mtp"
     num_modules: int = 1  # K modules in sequence; module k predicts token t+1+k
-    recursive: bool = False  # apply one module K times (FastMTP) instead of K separate modules
-    num_steps: int = 3  # training steps unrolled when recursive
-    step_weights: list[float] | None = None  # per-step loss weights; null = 0.8**k
+    recursive: bool = False  # apply one module num_steps times (FastMTP) instead of K separate modules
+    num_steps: int = 3  # training steps unrolled when recursive (drafting may run more)
+    step_weights: list[float] | None = None  # per-step loss weights; null = 0.8**(k-1) for step k = 1, 2, ...
     init_from_last_layer: bool = True  # initialise the block from the target's last decoder layer
 
 
 CONFIGS = {"mtp": MTPConfig}
+
+
+def train_steps(cfg: MTPConfig) -> int:
+    """Steps unrolled in training: num_steps when recursive, else one per module."""
+    return cfg.num_steps if cfg.recursive else cfg.num_modules
+
+
+def step_weights(cfg: MTPConfig) -> list[float]:
+    """Loss weight of each training step (default 0.8**(k-1): step 1 weighs 1, step 2 0.8, ...)."""
+    n = train_steps(cfg)
+    if cfg.step_weights is None:
+        return [0.8**k for k in range(n)]
+    if len(cfg.step_weights) != n:
+        raise ValueError(f"head.step_weights has {len(cfg.step_weights)} entries but training unrolls {n} steps")
+    return list(cfg.step_weights)
+
+
+def shift_targets(input_ids: torch.Tensor, valid: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens `shift` positions ahead and their mask: MTP step k embeds x[t+k] (shift k), predicts x[t+1+k].
+
+    Returns (ids [B,T] long, mask [B,T] bool): ids[t] = input_ids[t+shift], mask[t] = valid[t+shift], padded
+    at the end (id 0, mask 0). Worked example, step 1's label (shift 1+1 = 2) with tokens [A0 A1 A2 A3] all
+    valid: ids [A2 A3 pad pad], mask [1 1 0 0]; step 1's embedding input (shift 1): [A1 A2 A3 pad].
+    Raises ValueError for shift < 1.
+    """
+    if shift < 1:
+        raise ValueError(f"shift must be >= 1 (token t+shift read at position t), got {shift}")
+    ids = torch.zeros_like(input_ids)
+    mask = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
+    if shift < input_ids.shape[1]:
+        ids[:, :-shift] = input_ids[:, shift:]
+        mask[:, :-shift] = valid[:, shift:].bool()
+    return ids, mask
+
+
+class KVCache:
+    """Keys and values of one block over its committed positions; quacks like a transformers Cache.
+
+    The attention modules call `update(k, v, layer_idx, ...)` and attend over what it returns. Each MTP
+    step owns one such cache (one layer), so `layer_idx` is ignored.
+    """
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[-2])
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=-2)
+            self.values = torch.cat([self.values, values], dim=-2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+
+
+def causal_mask(q_pos: torch.Tensor, k_len: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [1, 1, q, k]: query at absolute position q_pos[i] sees keys 0..q_pos[i] (and, for a
+    sliding-window layer, only the last `window` of them, as transformers' sliding masks do)."""
+    k_pos = torch.arange(k_len, device=q_pos.device)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= q_pos[:, None] - k_pos[None, :] < window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class MTPModule(nn.Module):
+    """One DeepSeek MTP module: enorm, hnorm, eh_proj, block, norm (see the module docstring)."""
+
+    def __init__(self, enorm: nn.Module, hnorm: nn.Module, eh_proj: nn.Linear, block: nn.Module, norm: nn.Module):
+        super().__init__()
+        self.enorm, self.hnorm, self.eh_proj, self.block, self.norm = enorm, hnorm, eh_proj, block, norm
+
+    def forward(
+        self,
+        emb: torch.Tensor,
+        h: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """o = block(eh_proj(cat(enorm(emb), hnorm(h)))) over [B, T, H] inputs (T new positions)."""
+        u = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        out = self.block(u, attention_mask=mask, position_embeddings=position_embeddings, cache=cache)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class MTPHead(nn.Module):
+    """The modules (`mtp.{k}`) and the step -> module map; frozen target parts stay outside."""
+
+    def __init__(self, cfg: MTPConfig, modules: list[MTPModule]):
+        super().__init__()
+        self.cfg = cfg  # plain attribute (not in the state dict): loss and drafter read it
+        self.mtp = nn.ModuleList(modules)
+        attn = getattr(modules[0].block, "self_attn", None)
+        # Sliding-window layers (Gemma3, some Qwen2) keep their window; the rotary may depend on the type.
+        self.window: int | None = getattr(attn, "sliding_window", None)
+        self.layer_type: str = getattr(attn, "layer_type", None) or "full_attention"
+
+    def module_for(self, step: int) -> MTPModule:
+        """The module run at 1-based `step` (the only one when recursive)."""
+        if self.cfg.recursive:
+            return self.mtp[0]
+        if not 1 <= step <= len(self.mtp):
+            raise ValueError(f"MTP step {step} outside 1..{len(self.mtp)} (num_modules) for a non-recursive head")
+        return self.mtp[step - 1]
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        embs: list[torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """Training unroll over full sequences: embs[k-1] = embed(x[t+k]); returns norm(o_k) per step k."""
+        dtype = self.mtp[0].eh_proj.weight.dtype
+        h = h.to(dtype)
+        outs = []
+        for k, e in enumerate(embs, start=1):
+            mod = self.module_for(k)
+            h = mod(e.to(dtype), h, position_embeddings, mask)
+            outs.append(mod.norm(h))
+        return outs
+
+
+def rotary_embeddings(head: MTPHead, target: TargetIO, x: torch.Tensor, positions: torch.Tensor):
+    """(cos, sin) of the target's rotary embedding at `positions` [1, T] for the head's layer type."""
+    if target.rotary is None:
+        raise ValueError(f"target '{target.name}' exposes no rotary embedding; MTP blocks need one")
+    if "layer_type" in inspect.signature(target.rotary.forward).parameters:
+        return target.rotary(x, positions, head.layer_type)
+    return target.rotary(x, positions)
+
+
+def embed(target: TargetIO, ids: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The target's (frozen) embedding of `ids` [B, T], zeroed where the absolute position is 0 (vLLM)."""
+    with torch.no_grad():
+        e = target.embed(ids).to(dtype)
+    return e.masked_fill((positions == 0).reshape(1, -1, 1), 0.0)
+
+
+def feature_layers(cfg: MTPConfig, target_config: Any) -> list[int]:
+    """MTP reads only `last` (and the target's embedding of the next tokens)."""
+    return []
+
+
+def _fresh_norm(template: nn.Module, hidden: int) -> nn.Module:
+    """A new norm of the target's class at its identity scale (ones, or zeros for Gemma's 1 + w)."""
+    eps = getattr(template, "variance_epsilon", getattr(template, "eps", 1e-6))
+    return type(template)(hidden, eps=eps)
+
+
+def build(cfg: MTPConfig, target: TargetIO) -> MTPHead:
+    """Fresh float32 modules on the target's device; blocks copied from the target's last layer."""
+    if cfg.num_modules < 1 or cfg.num_steps < 1:
+        raise ValueError(f"head.num_modules and head.num_steps must be >= 1 (got {cfg.num_modules}, {cfg.num_steps})")
+    step_weights(cfg)  # fail early on a wrong-length step_weights
+    if target.last_layer is None or target.norm is None:
+        raise ValueError(f"target '{target.name}' exposes no last decoder layer or final norm; MTP needs both")
+    H = target.hidden_size
+    std = float(getattr(target.config, "initializer_range", 0.02))
+    modules = []
+    for _ in range(1 if cfg.recursive else cfg.num_modules):
+        if cfg.init_from_last_layer:
+            block = copy.deepcopy(target.last_layer)
+        else:
+            block = type(target.last_layer)(target.config, target.num_layers - 1)
+            for m in block.modules():
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, std=std)
+                    if m.bias is not None:
+                        nn.init.zeros_(m.bias)
+        eh_proj = nn.Linear(2 * H, H, bias=False)
+        nn.init.normal_(eh_proj.weight, std=std)
+        norm = copy.deepcopy(target.norm)  # shared_head.norm starts as the target's final norm
+        modules.append(MTPModule(_fresh_norm(target.norm, H), _fresh_norm(target.norm, H), eh_proj, block, norm))
+    head = MTPHead(cfg, modules).float().to(target.lm_head.weight.device)
+    head.requires_grad_(True)  # the copies come from a frozen target
+    return head
+
+
+def _logits(target: TargetIO, normed: torch.Tensor) -> torch.Tensor:
+    return target.lm_head(normed.to(target.lm_head.weight.dtype)).float()
+
+
+def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sum over steps k of weight_k * CE(lm_head(norm(o_k)) at t, token t+1+k), on loss-masked tokens.
+
+    `head` may be wrapped (DDP): the computation goes through its forward, config and helpers through
+    `.module`.
+    """
+    inner: MTPHead = getattr(head, "module", head)
+    cfg = inner.cfg
+    ids, last = batch["input_ids"], batch["last"]
+    real = batch["attention_mask"].bool()
+    valid = batch["loss_mask"].bool() & real
+    T = ids.shape[1]
+    dtype = inner.mtp[0].eh_proj.weight.dtype
+    positions = torch.arange(T, device=ids.device)
+    # Step k embeds x[t+k]; beyond the sequence end the id is a 0 filler, only ever seen by positions
+    # whose own label is masked (causal attention never looks forward).
+    embs = [embed(target, shift_targets(ids, real, k)[0], positions, dtype) for k in range(1, train_steps(cfg) + 1)]
+    pe = rotary_embeddings(inner, target, embs[0], positions[None])
+    mask = causal_mask(positions, T, inner.window, dtype)
+    normed = head(last, embs, pe, mask)
+    total = last.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    for k, (w, out) in enumerate(zip(step_weights(cfg), normed), start=1):
+        labels, m = shift_targets(ids, valid, 1 + k)
+        if not m.any():
+            metrics[f"top1/{k - 1}"] = 0.0
+            continue
+        logits, gold = _logits(target, out[m]), labels[m]
+        step_loss = F.cross_entropy(logits, gold)
+        total = total + w * step_loss
+        metrics[f"loss/{k - 1}"] = float(step_loss.detach())
+        metrics[f"top1/{k - 1}"] = float((logits.argmax(-1) == gold).float().mean())
+    return total, metrics
+
+
+class MTPDrafter:
+    """Chain drafter: step k proposes token n+k from module k at position n-1 (n = the root's position).
+
+    Exactly the training computation, incrementally. Step k at position p needs x[p+k], so its committed
+    positions are p <= n-k (those never change and stay in step k's KV cache); positions n-k+1..n-1 use
+    drafted tokens and are recomputed at every draft, then cropped away. Outputs o_k at committed positions
+    are kept for step k+1. `commit` only records tokens and the target's new hidden states.
+    """
+
+    capture_layers: tuple[int, ...] | None = ()
+
+    def __init__(self, head: MTPHead, target: TargetIO, max_steps: int | None = None):
+        self.head, self.target = head, target
+        cfg = head.cfg
+        # Separate modules stop at K; a recursive module may run as far as asked (or max_steps).
+        self.max_steps = max_steps if max_steps is not None else (None if cfg.recursive else cfg.num_modules)
+        if not cfg.recursive and self.max_steps is not None and self.max_steps > cfg.num_modules:
+            raise ValueError(f"max_steps {self.max_steps} exceeds num_modules {cfg.num_modules} (not recursive)")
+        self.dtype = head.mtp[0].eh_proj.weight.dtype
+        self.tokens: list[int] = []
+        self.hidden = torch.empty(0)
+        self.caches: list[KVCache] = []
+        self.outs: list[torch.Tensor] = []
+        self.drafted: list[int] = []
+
+    def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
+        if features is None:
+            raise ValueError("MTPDrafter needs the target's last hidden states (capture_layers = ())")
+        ids = prompt_ids.reshape(-1).tolist()
+        if features.last.shape[1] != len(ids):
+            raise ValueError(f"begin: {features.last.shape[1]} feature positions for a {len(ids)}-token prompt")
+        self.tokens = ids + [int(next_token)]
+        self.hidden = features.last[0].to(self.dtype)
+        self.caches, self.outs, self.drafted = [], [], []
+
+    @torch.no_grad()
+    def draft(self, k: int, temperature: float) -> DraftTree:
+        steps = k if self.max_steps is None else min(k, self.max_steps)
+        n = len(self.tokens) - 1  # root position; hidden states are known for 0..n-1
+        device = self.hidden.device
+        seq = list(self.tokens)
+        tokens, probs = [], []
+        prev = self.hidden  # h for step 1: the target's, positions 0..n-1
+        for s in range(1, steps + 1):
+            if len(self.caches) < s:
+                self.caches.append(KVCache())
+                self.outs.append(self.hidden.new_zeros((0, self.hidden.shape[-1])))
+            cache, start = self.caches[s - 1], len(self.caches[s - 1])
+            pos = torch.arange(start, n, device=device)
+            ids = torch.tensor([seq[p + s] for p in range(start, n)], device=device)[None]
+            emb = embed(self.target, ids, pos, self.dtype)
+            mod = self.head.module_for(s)
+            pe = rotary_embeddings(self.head, self.target, emb, pos[None])
+            mask = causal_mask(pos, n, self.head.window, self.dtype)
+            o = mod(emb, prev[start:n][None], pe, mask, cache=cache)[0]
+            full = torch.cat([self.outs[s - 1][:start], o])  # o_s at positions 0..n-1
+            logits = _logits(self.target, mod.norm(full[-1]))
+            if temperature > 0:
+                q = torch.softmax(logits / temperature, dim=-1)
+                tok = int(torch.multinomial(q, 1))
+                probs.append(q)
+            else:
+                tok = int(logits.argmax())
+            tokens.append(tok)
+            seq.append(tok)
+            # Keep only positions whose inputs are all committed (p <= n-s) for the next draft.
+            keep = max(0, n - s + 1)
+            cache.crop(keep)
+            self.outs[s - 1] = full[:keep]
+            prev = full
+        self.drafted = tokens
+        t = torch.tensor(tokens, dtype=torch.long, device=device)
+        return DraftTree.chain(t, torch.stack(probs) if probs else None)
+
+    def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
+        a = len(accepted)
+        if list(accepted) != list(range(a)) or a > len(self.drafted):
+            raise ValueError(f"commit: accepted {accepted} is not a prefix of the {len(self.drafted)}-token chain")
+        if features is None or features.last.shape[1] != a + 1:
+            raise ValueError(f"commit: expected features for {a + 1} positions")
+        self.tokens += self.drafted[:a] + [int(next_token)]
+        self.hidden = torch.cat([self.hidden, features.last[0].to(self.dtype)])
+        self.drafted = []
+
+
+def drafter(head: MTPHead, target: TargetIO, max_steps: int | None = None) -> MTPDrafter:
+    """The decoder adapter (chain drafting)."""
+    return MTPDrafter(head, target, max_steps=max_steps)
