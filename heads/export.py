@@ -639,13 +639,18 @@ def write_folder(out: str | Path, fmt: str, config: dict, weights: dict[str, tor
     if out.exists() and any(out.iterdir()) and not force:
         raise ExportError(f"{out}: exists and is not empty (pass force=True / --force to replace it)")
     spec = load_spec(fmt)
+    validate(fmt, config, weights, target, where=f"{fmt} export to {out}")  # nothing is written if this fails
     tmp = out.with_name(out.name + ".tmp-export")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_file(weights, str(tmp / spec["files"]["weights"]), metadata={"format": "pt"})
-    (tmp / spec["files"]["config"]).write_text(json.dumps(config, indent=2) + "\n")
-    validate_folder(tmp, fmt, target)
+    try:
+        save_file(weights, str(tmp / spec["files"]["weights"]), metadata={"format": "pt"})
+        (tmp / spec["files"]["config"]).write_text(json.dumps(config, indent=2) + "\n")
+        validate_folder(tmp, fmt, target)  # what engines will read: the files, not our in-memory copy
+    except Exception:
+        shutil.rmtree(tmp)
+        raise
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -1,0 +1,253 @@
+"""Publish a trained head to the Hugging Face Hub with a model card built from its measured eval report.
+
+    python scripts/publish.py --head runs/quickstart/head --repo-id ORG/NAME --dry-run   # no network
+    python scripts/publish.py --head runs/quickstart/head --repo-id ORG/NAME [--private]
+
+The uploaded folder holds the engine layout at its root (EAGLE-3: vLLM speculators; Medusa: the Medusa
+repository layout; MTP: the DeepSeek layout), `sglang/` for EAGLE-3, `draftheads/` (the native head, for
+eval.run), `eval/` (the report) and README.md (the card: target, data, training config, the report's
+table, how to serve with vLLM and SGLang, license). Every export is checked against heads/formats/.
+
+The eval report is looked up as `--report PATH` (a report.json / report.md file or a folder holding them),
+else next to the head (`HEAD/`, `HEAD/eval/`, `HEAD/../eval/`). Without one the script refuses unless
+`--force`. The token comes from HF_TOKEN or huggingface_hub's login and is never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from data.config import TargetConfig
+from data.target import TargetLoadError, load_target
+from heads.base import HeadMismatchError, read_head_config
+from heads.export import ExportError, export_head, verifier_id
+
+ROOT_FORMAT = {"eagle3": "speculators", "medusa": "medusa", "mtp": "mtp"}
+TAU_NOTE = "tau = tokens emitted per target forward pass, counting the corrected or bonus token (SGLang's accept_length)."
+
+
+def find_report(head: Path, report: str | None) -> tuple[Path | None, Path | None]:
+    """(report.json, report.md) for a head; either may be None."""
+    candidates = [Path(report)] if report else [head, head / "eval", head.parent / "eval"]
+    for c in candidates:
+        if c.is_file():
+            return (c, None) if c.suffix == ".json" else (None, c)
+        js, md = c / "report.json", c / "report.md"
+        if js.is_file() or md.is_file():
+            return (js if js.is_file() else None, md if md.is_file() else None)
+    if report:
+        raise FileNotFoundError(f"--report {report}: no report.json or report.md there")
+    return None, None
+
+
+def _rows(obj: Any) -> list[dict] | None:
+    """The first list of flat dicts inside a report (depth first): the rows of its table."""
+    if isinstance(obj, list) and obj and all(isinstance(r, dict) for r in obj):
+        return obj
+    children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else []
+    for v in children:
+        found = _rows(v)
+        if found:
+            return found
+    return None
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)[:60]
+    return str(v)
+
+
+def report_table(js: Path | None, md: Path | None) -> str:
+    """The measured table: report.md as eval wrote it, else a table rendered from report.json's rows."""
+    if md is not None:
+        return md.read_text().strip()
+    data = json.loads(js.read_text())
+    rows = _rows(data)
+    if not rows:
+        raise ValueError(f"{js}: no table rows (a list of objects) found in the report")
+    cols = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], (dict, list))))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def serving_section(family: str, repo_id: str, target_hub: str) -> str:
+    """How to serve the published folder with vLLM and SGLang (or why an engine cannot)."""
+    name = repo_id.split("/")[-1]
+    if family == "eagle3":
+        return f"""vLLM (the repository root is the speculators layout; layer ids in vLLM's convention):
+
+```bash
+vllm serve {target_hub} \\
+  --speculative-config '{{"method": "eagle3", "model": "{repo_id}", "num_speculative_tokens": 5}}'
+```
+
+SGLang (the `sglang/` folder; layer ids in SGLang's convention, one less than vLLM's):
+
+```bash
+huggingface-cli download {repo_id} --include "sglang/*" --local-dir {name}
+python -m sglang.launch_server --model-path {target_hub} --speculative-algorithm EAGLE3 \\
+  --speculative-draft-model-path {name}/sglang --speculative-num-steps 5 \\
+  --speculative-eagle-topk 1 --speculative-num-draft-tokens 6
+```"""
+    if family == "medusa":
+        return """The root holds the Medusa repository layout (`medusa_lm_head.safetensors`), loaded by the Medusa
+repository's own code with this target. vLLM's Medusa model expects other names and config keys
+(`blocks.{h}.layers.{i}`, `lm_heads.{h}`, `num_heads`: the names in `draftheads/model.safetensors`);
+SGLang has no Medusa support."""
+    if family == "mtp":
+        return """The root holds the DeepSeek-V3 MTP layout (`model.layers.{L+k}.*`, `num_nextn_predict_layers`)
+adapted to this target's own decoder layer. vLLM and SGLang serve MTP modules for DeepSeek-style
+architectures only; for this target use an MTP-capable loader with the target's decoder-layer class."""
+    return "EAGLE-1 heads have no engine layout here; evaluate them with this project (`draftheads/`)."
+
+
+def model_card(meta: dict, repo_id: str, table: str | None, files: list[str], license_id: str) -> str:
+    """README.md for the Hub: YAML front matter, then target, data, config, eval table, serving, license."""
+    family = meta["family"]
+    t = meta["target"]
+    hub = verifier_id(t.get("name_or_path", ""))
+    extra = meta.get("extra", {})
+    front = ["---", f"license: {license_id}", f"base_model: {hub}", "tags:", "- speculative-decoding",
+             f"- {family}", "- draftheads", "---"]
+    eval_part = (f"{table}\n\n{TAU_NOTE}" if table
+                 else "No eval report was found: this head was published with --force and is unmeasured.")
+    files_part = "\n".join(f"- `{f}`" for f in files)
+    return "\n".join(front) + f"""
+
+# {family} draft head for {hub}
+
+A speculative-decoding drafter ({family}) trained with draftheads on the frozen target `{hub}`.
+
+## Target
+- name_or_path: `{t.get("name_or_path")}` (served as `{hub}`)
+- hidden size {t.get("hidden_size")}, vocab {t.get("vocab_size")}, {t.get("num_hidden_layers")} layers,
+  fingerprint `{t.get("fingerprint")}`
+- captured layers (transformers `hidden_states` indices): {meta.get("layer_ids")}
+
+## Training data and run
+```json
+{json.dumps(extra, indent=2)[:4000]}
+```
+
+## Head configuration
+```json
+{json.dumps(meta.get("head_config", {}), indent=2)}
+```
+
+## Evaluation (measured with the exact speculative decoder)
+{eval_part}
+
+## Serving
+{serving_section(family, repo_id, hub)}
+
+## Files
+{files_part}
+
+## License
+{license_id}. The head was trained on outputs of `{hub}`; its use is also subject to the target's license.
+"""
+
+
+def stage(head: Path, meta: dict, out: Path, target_name: str, js: Path | None, md: Path | None) -> None:
+    """Write the folder to upload: root engine layout, sglang/, draftheads/, eval/."""
+    family = meta["family"]
+    _, _, target = load_target(TargetConfig(name_or_path=target_name, device="cpu"))
+    fmt = ROOT_FORMAT.get(family)
+    if fmt is None:
+        export_head(head, "native", out, target, force=True)
+    else:
+        export_head(head, fmt, out, target, force=True)
+        export_head(head, "native", out / "draftheads", target)
+        if family == "eagle3":
+            export_head(head, "sglang", out / "sglang", target)
+    for src in (js, md):
+        if src is not None:
+            (out / "eval").mkdir(exist_ok=True)
+            shutil.copyfile(src, out / "eval" / src.name)
+
+
+def _scrub(text: str, token: str | None) -> str:
+    return text.replace(token, "***") if token else text
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head", required=True, help="native head folder")
+    p.add_argument("--repo-id", required=True, help="Hub repository ORG/NAME")
+    p.add_argument("--private", action="store_true", help="create the repository as private")
+    p.add_argument("--dry-run", action="store_true", help="stage, list the files and print the card; no network")
+    p.add_argument("--force", action="store_true", help="publish even without an eval report")
+    p.add_argument("--report", help="report.json / report.md, or a folder holding them")
+    p.add_argument("--target", help="target name_or_path (default: the one recorded in the head)")
+    p.add_argument("--license", default="apache-2.0", help="license id for the card (default apache-2.0)")
+    p.add_argument("--stage", help="folder to stage into (default: a temporary folder)")
+    args = p.parse_args(argv)
+    if args.repo_id.count("/") != 1 or not all(args.repo_id.split("/")):
+        p.error(f"--repo-id must look like ORG/NAME, got '{args.repo_id}'")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    token = os.environ.get("HF_TOKEN") or None
+    head = Path(args.head)
+    tmp: tempfile.TemporaryDirectory | None = None
+    try:
+        _, meta = read_head_config(head)
+        js, md = find_report(head, args.report)
+        if js is None and md is None and not args.force:
+            raise FileNotFoundError(
+                f"{head}: no eval report (report.json / report.md in {head}, {head}/eval or {head.parent}/eval); "
+                "run `python -m eval.run --head ...` first, pass --report, or --force to publish unmeasured"
+            )
+        table = report_table(js, md) if (js or md) else None
+        if not args.stage:
+            tmp = tempfile.TemporaryDirectory()
+        out = Path(args.stage or tmp.name) / "publish"
+        if out.exists():
+            shutil.rmtree(out)
+        stage(head, meta, out, args.target or meta["target"]["name_or_path"], js, md)
+        files = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file()) + ["README.md"]
+        card = model_card(meta, args.repo_id, table, sorted(files), args.license)
+        (out / "README.md").write_text(card)
+        print(f"files to upload to {args.repo_id}{' (private)' if args.private else ''}:")
+        for f in sorted(files):
+            print(f"  {f}  ({(out / f).stat().st_size} bytes)")
+        print("\n" + card)
+        if args.dry_run:
+            print("dry run: nothing uploaded")
+            return 0
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+            raise RuntimeError("HF_HUB_OFFLINE is set: unset it to publish (or use --dry-run)")
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        url = api.create_repo(args.repo_id, private=args.private, exist_ok=True, repo_type="model")
+        api.upload_folder(folder_path=str(out), repo_id=args.repo_id, repo_type="model",
+                          commit_message=f"Upload {meta['family']} head ({len(files)} files)")
+        print(f"uploaded to {url}")
+        return 0
+    except (ExportError, HeadMismatchError, TargetLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"error: {_scrub(str(e), token)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # Hub client errors (HTTP, auth): reported without a traceback that could echo headers
+        print(f"error: upload failed: {type(e).__name__}: {_scrub(str(e), token)}", file=sys.stderr)
+        return 2
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
