@@ -158,11 +158,12 @@ def test_round_trip_identical_tensors(fmt, exported, heads_dir, tiny_target):
 def _greedy(model, io, family, head, prompt):
     mod = {"eagle3": eagle, "medusa": medusa, "mtp": mtp}[family]
     d = mod.drafter(head, io)
-    ids, stats = speculative_generate(model, prompt, d, k=3, max_new_tokens=12)
+    ids, stats = speculative_generate(model, prompt, d, k=3, max_new_tokens=8)
     return ids.tolist(), stats.accepted_per_position, stats.target_passes
 
 
-@pytest.mark.parametrize("fmt", list(FAMILY_OF))
+# speculators and sglang hold the same EAGLE-3 tensors (checked above): one decoding run covers both.
+@pytest.mark.parametrize("fmt", ["sglang", "medusa", "mtp"])
 def test_round_trip_identical_greedy_decoding(fmt, exported, heads_dir, tiny_target):
     model, tok, io = tiny_target
     family = FAMILY_OF[fmt]
