@@ -67,12 +67,27 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+def benchmark_rows(report: dict) -> list[dict] | None:
+    """One row per benchmark and temperature from eval.run's report.json (`benchmarks.<name>.by_temperature`)."""
+    benches = report.get("benchmarks") if isinstance(report, dict) else None
+    if not isinstance(benches, dict):
+        return None
+    rows = []
+    for name, b in benches.items():
+        for temp, t in (b.get("by_temperature") or {}).items():
+            rows.append({"benchmark": name, "temperature": temp, "tau": t.get("tau"),
+                         "acceptance per position": " / ".join(f"{a:.2f}" for a in t.get("acceptance_per_position") or []),
+                         "speedup": t.get("speedup"), "identical": t.get("identical")})
+    return rows or None
+
+
 def report_table(js: Path | None, md: Path | None) -> str:
     """The measured table: report.md as eval wrote it, else a table rendered from report.json's rows."""
     if md is not None:
-        return md.read_text().strip()
+        # Demote the report's headings two levels: they sit under the card's "## Evaluation".
+        return "\n".join("##" + line if line.startswith("#") else line for line in md.read_text().strip().splitlines())
     data = json.loads(js.read_text())
-    rows = _rows(data)
+    rows = benchmark_rows(data) or _rows(data)
     if not rows:
         raise ValueError(f"{js}: no table rows (a list of objects) found in the report")
     cols = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], (dict, list))))
@@ -171,10 +186,11 @@ def stage(head: Path, meta: dict, out: Path, target_name: str, js: Path | None, 
         export_head(head, "native", out / "draftheads", target)
         if family == "eagle3":
             export_head(head, "sglang", out / "sglang", target)
-    for src in (js, md):
-        if src is not None:
-            (out / "eval").mkdir(exist_ok=True)
-            shutil.copyfile(src, out / "eval" / src.name)
+    report_dir = (js or md).parent if (js or md) else None
+    extras = sorted(report_dir.glob("*.png")) if report_dir else []  # the plots report.md links to
+    for src in [p for p in (js, md) if p is not None] + extras:
+        (out / "eval").mkdir(exist_ok=True)
+        shutil.copyfile(src, out / "eval" / src.name)
 
 
 def _scrub(text: str, token: str | None) -> str:

@@ -21,7 +21,9 @@ from heads.base import save_head
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_TESTsecretTOKEN0123456789"
-REPORT_MD = """| bench | tau | speedup |
+REPORT_MD = """# Speculative decoding eval
+
+| bench | tau | speedup |
 |---|---|---|
 | mt_bench | 2.314 | 1.41 |
 | gsm8k | 2.907 | 1.66 |"""
@@ -45,8 +47,12 @@ def run_dir(tiny_target, tmp_path):
     save_head(tmp_path / "run" / "head", head, cfg, io, extra=extra)
     (tmp_path / "run" / "eval").mkdir()
     (tmp_path / "run" / "eval" / "report.md").write_text(REPORT_MD + "\n")
-    rows = [{"bench": "mt_bench", "tau": 2.314, "speedup": 1.41}, {"bench": "gsm8k", "tau": 2.907, "speedup": 1.66}]
-    (tmp_path / "run" / "eval" / "report.json").write_text(json.dumps({"rows": rows}))
+    # the shape eval.run writes: benchmarks.<name>.by_temperature.<t>.{tau, speedup, acceptance_per_position}
+    report = {"benchmarks": {
+        "mt_bench": {"by_temperature": {"0.0": {"tau": 2.314, "speedup": 1.41, "acceptance_per_position": [0.7, 0.5]}}},
+        "gsm8k": {"by_temperature": {"0.0": {"tau": 2.907, "speedup": 1.66, "acceptance_per_position": [0.8, 0.6]}}},
+    }}
+    (tmp_path / "run" / "eval" / "report.json").write_text(json.dumps(report))
     return tmp_path / "run"
 
 
@@ -75,6 +81,7 @@ def test_dry_run_prints_card_with_measured_table(run_dir, no_hub, monkeypatch, c
         assert f"  {f}  (" in out.out, f
     assert "vllm serve tiny-random-llama" in out.out and "sglang.launch_server" in out.out
     assert "license: apache-2.0" in out.out and '"max_steps": 40' in out.out
+    assert "### Speculative decoding eval" in out.out  # the report's headings sit under the card's
     assert "dry run: nothing uploaded" in out.out
 
 
@@ -94,7 +101,8 @@ def test_report_json_rendered_when_no_markdown(run_dir, no_hub, capsys):
                           "--report", str(run_dir / "eval" / "report.json")])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "| bench | tau | speedup |" in out and "| gsm8k | 2.907 | 1.660 |" in out
+    assert "| benchmark | temperature | tau | acceptance per position | speedup | identical |" in out
+    assert "| gsm8k | 0.0 | 2.907 | 0.80 / 0.60 | 1.660 |" in out
 
 
 def test_upload_calls_hub_and_never_prints_token(run_dir, monkeypatch, capsys):
