@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.base import DraftTree, Features, HeadConfig, TargetIO
+from heads.tree import DEFAULT_CHOICES, StaticTree
 
 
 @dataclass
@@ -35,21 +36,10 @@ class MedusaConfig(HeadConfig):
     decay: float = 0.8  # head i's loss weighted decay**i (loss = sum over heads, Medusa-1)
     init_from_lm_head: bool = True  # initialise each vocab projection from the target's lm_head
     distill: bool = False  # train against the target's distribution (KL) instead of its tokens (CE)
-    tree: list[list[int]] | None = None  # static tree (Medusa choices); null = DEFAULT_TREE cut to num_heads
+    tree: list[list[int]] | None = None  # static tree (Medusa choices); null = heads.tree.DEFAULT_CHOICES cut to num_heads
 
 
 CONFIGS = {"medusa": MedusaConfig}
-
-# A 24-node default tree (Medusa choices: each path lists the top-k rank chosen at each depth). Wide at
-# depth 1, where the heads are most accurate, thinning with depth; cut to the heads a config has.
-DEFAULT_TREE: list[list[int]] = [
-    [0], [1], [2], [3],
-    [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [3, 0],
-    [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 2, 0], [2, 0, 0],
-    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0],
-    [0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0],
-]  # fmt: skip
-
 
 def shift_targets(input_ids: torch.Tensor, valid: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels and mask for a prediction made at t of the token at t+shift (Medusa head i uses shift 2+i).
@@ -162,47 +152,8 @@ def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> t
         total = total + (cfg.decay**i) * head_loss
         metrics[f"loss/{i}"] = float(head_loss.detach())
         metrics[f"top1/{i}"] = float((logits.argmax(-1) == gold).float().mean())
+        metrics[f"n/{i}"] = float(gold.numel())  # weights top1 when the loop averages batches
     return total, metrics
-
-
-def check_tree(choices: list[list[int]], where: str = "head.tree") -> list[list[int]]:
-    """Validate a Medusa choices list and return it in topological order (by depth, then ranks).
-
-    Every path must be a non-empty list of top-k ranks >= 0, appear once, and have its parent path (all but
-    the last rank) in the list too, so the nodes form a tree below the root.
-    """
-    paths = [list(p) for p in choices]
-    seen = {tuple(p) for p in paths}
-    if len(seen) != len(paths):
-        raise ValueError(f"{where}: duplicate paths")
-    for p in paths:
-        if not p or any((not isinstance(r, int)) or r < 0 for r in p):
-            raise ValueError(f"{where}: path {p} must be a non-empty list of top-k ranks >= 0")
-        if len(p) > 1 and tuple(p[:-1]) not in seen:
-            raise ValueError(f"{where}: path {p} has no parent path {p[:-1]} in the tree")
-    return sorted(paths, key=lambda p: (len(p), p))
-
-
-def tree_from_topk(paths: list[list[int]], topk: torch.Tensor, probs: torch.Tensor | None) -> DraftTree:
-    """The DraftTree of sorted choices `paths`, where topk[d] lists head d's candidates best first.
-
-    Node for path [r0, ..., rd] holds topk[d][rd] and hangs below the node of [r0, ..., r(d-1)] (the root for
-    d = 0); its q is probs[d], the distribution head d drew its candidates from.
-    """
-    index = {(): -1}
-    tokens, parents = [], []
-    for i, p in enumerate(paths):
-        d = len(p) - 1
-        tokens.append(int(topk[d, p[-1]]))
-        parents.append(index[tuple(p[:-1])])
-        index[tuple(p)] = i
-    depth = torch.tensor([len(p) - 1 for p in paths], dtype=torch.long)
-    return DraftTree(
-        tokens=torch.tensor(tokens, dtype=torch.long, device=topk.device),
-        parents=torch.tensor(parents, dtype=torch.long, device=topk.device),
-        probs=None if probs is None else probs[depth.to(probs.device)],
-        sampling="topk",
-    )
 
 
 class MedusaDrafter:
@@ -218,15 +169,13 @@ class MedusaDrafter:
     def __init__(self, head: MedusaHead, target: TargetIO, tree: list[list[int]] | None = None):
         self.head, self.target = head, target
         num_heads = head.num_heads
-        if tree is not None:
-            paths = check_tree(tree, "drafter tree")
-        elif head.cfg.tree is not None:
-            paths = check_tree(head.cfg.tree)
+        choices = tree if tree is not None else head.cfg.tree
+        if choices is None:
+            self.tree = StaticTree(DEFAULT_CHOICES).truncate(num_heads)
         else:
-            paths = check_tree([p for p in DEFAULT_TREE if len(p) <= num_heads], "DEFAULT_TREE")
-        if any(len(p) > num_heads for p in paths):
-            raise ValueError(f"tree has depth {max(map(len, paths))} but the head has only {num_heads} heads")
-        self.paths = paths
+            self.tree = StaticTree(choices)
+            if self.tree.depth > num_heads:
+                raise ValueError(f"Medusa tree has depth {self.tree.depth} but the head has only {num_heads} heads")
         self.last: torch.Tensor | None = None
 
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
@@ -238,16 +187,13 @@ class MedusaDrafter:
     def draft(self, k: int, temperature: float) -> DraftTree:
         if self.last is None:
             raise RuntimeError("MedusaDrafter.draft called before begin")
-        paths = [p for p in self.paths if len(p) <= k]
-        device = self.last.device
-        if not paths:
-            return DraftTree.chain(torch.empty(0, dtype=torch.long, device=device))
-        depth = max(len(p) for p in paths)
-        width = max(p[-1] for p in paths) + 1
-        logits = self.head(self.last, heads=depth).float()  # [depth, V]
-        topk = logits.topk(width, dim=-1).indices  # temperature does not change the ranking
+        if k < 1:
+            return DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.last.device))
+        tree = self.tree if k >= self.tree.depth else self.tree.truncate(k)
+        logits = self.head(self.last, heads=tree.depth).float()  # [depth, V]
+        candidates = logits.topk(tree.topk, dim=-1).indices  # temperature does not change the ranking
         probs = torch.softmax(logits / temperature, dim=-1) if temperature > 0 else None
-        return tree_from_topk(paths, topk, probs)
+        return tree.build(candidates, probs)
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
         if features is None or features.last.shape[1] != len(accepted) + 1:

@@ -274,6 +274,7 @@ def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> t
         total = total + w * step_loss
         metrics[f"loss/{k - 1}"] = float(step_loss.detach())
         metrics[f"top1/{k - 1}"] = float((logits.argmax(-1) == gold).float().mean())
+        metrics[f"n/{k - 1}"] = float(gold.numel())  # weights top1 when the loop averages batches
     return total, metrics
 
 
