@@ -131,7 +131,7 @@ def _iter_jsonl(path: Path, fmt: str, skip_malformed: bool, stats: ReadStats) ->
                 continue
             try:
                 try:
-                    obj = json.loads(line)
+                    obj = json.loads(line.rstrip("\r\n"))
                 except json.JSONDecodeError as e:
                     # json counts lines and columns inside this one line; report the column only
                     raise ValueError(f"invalid JSON: {e.msg} at column {e.pos + 1}") from None
