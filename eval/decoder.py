@@ -1,0 +1,451 @@
+"""The exact speculative decoder: draft, verify in one target pass, accept by the exact rule, roll back caches.
+
+    from eval.decoder import speculative_generate, plain_generate
+    from eval.drafters import NgramDrafter
+    new_ids, stats = speculative_generate(model, input_ids, NgramDrafter(), k=6, max_new_tokens=128)
+    print(stats.tau, stats.acceptance_rates)
+
+Batch 1. One generation:
+  prefill   the target reads the prompt (positions 0..n-1); the first new token x0 is taken from its last
+            distribution and becomes the ROOT; drafter.begin(prompt, features, x0).
+  each pass the drafter proposes a DraftTree below the root (a chain is a tree). The target reads
+            [root, node 0, ..., node N-1] in ONE forward: row 0 is the root at position L (L = committed
+            length of the target cache), node i is row i+1 at position L + depth(i). Chains use the ordinary
+            causal mask; other trees a 4D mask where a row sees the cache, the root and its ancestors.
+            Row 0's distribution judges the root's children, row i+1's judges node i's children (or gives
+            the bonus token when node i is an accepted leaf).
+  accept    `verify_tree` walks down from the root by the exact rule and returns the accepted path and the
+            next token (the correction after a rejection, or the bonus after an accepted leaf).
+  rollback  the target cache keeps the root plus the accepted nodes, moved into consecutive slots (accepted
+            nodes of a tree need not be consecutive in the cache); drafter.commit(accepted, features of
+            [root, accepted...], next) rolls the drafter back likewise; the next token is the new root.
+
+Verification rules (all exact: the output is distributed as plain sampling from the processed target p):
+  greedy (temperature 0)  accept a child iff it equals the target's argmax; else output the argmax.
+  deterministic children  (DraftTree.probs None, or sampling "topk"; EAGLE) q is one-hot per child: accept
+                          child x with probability p(x); on rejection p(x) <- 0, renormalise, try the next
+                          sibling; if none is accepted sample from what is left of p.
+  i.i.d. children         (probs given, sampling "iid"; chains of sampled drafts, SpecInfer trees) accept
+                          child x with min(1, p(x)/q(x)); on rejection p <- normalize(max(p - q, 0)).
+Both rejection updates go through `residual_distribution`, so a test can swap in a biased variant.
+Temperature, top-k and top-p shape the TARGET distribution (`target_distribution`) exactly as in
+`plain_generate`, the reference sampler.
+
+KV cache: transformers 5.24's DynamicCache (model kwarg `cache`, `crop(-n)` drops the last n tokens; a
+positive argument raises). The cache is built without the model config, so every layer is a full
+DynamicLayer that can be cropped at any length; sliding-window layers get their window from the mask.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from data.features import FeatureCapture
+from data.target import text_config
+from heads.base import Drafter, DraftTree, Features
+from heads.tree import check_parents, is_chain, tree_layout
+
+__all__ = [
+    "GenerationStats",
+    "plain_generate",
+    "residual_distribution",
+    "rollback_cache",
+    "speculative_generate",
+    "target_distribution",
+    "verify_tree",
+]
+
+
+# ----------------------------------------------------------------------------------------------- stats
+@dataclass
+class GenerationStats:
+    """What one (or, after `merge`, several) generations did.
+
+    tau counts, per verify pass, the accepted draft tokens plus the corrected or bonus token (so plain
+    decoding has tau 1 and a k-chain at most k+1); the prefill pass and its token are not in it.
+    Per depth d+1 (index d): drafted_per_position = passes whose draft reached that depth,
+    judged_per_position = passes that tested a node there (the draft reached it AND depth d was accepted),
+    accepted_per_position = passes that accepted a node there. acceptance_rates = accepted / judged.
+    Example: chain of 3, first two accepted -> drafted +1 at depths 1-3, judged +1 at 1-3, accepted +1 at 1-2.
+    """
+
+    new_tokens: int = 0
+    target_passes: int = 0  # verify passes (prefill excluded)
+    accepted_tokens: int = 0  # accepted draft tokens over all passes (before truncation at eos/max)
+    drafted_tokens: int = 0  # draft nodes sent to the target
+    accepted_per_position: list[int] = field(default_factory=list)
+    judged_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    nodes_per_pass: list[int] = field(default_factory=list)  # draft nodes verified in each pass
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0  # drafter.begin/draft/commit
+    verify_time_s: float = 0.0  # target forward + acceptance + cache rollback
+    total_time_s: float = 0.0
+    generations: int = 0
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted_tokens + self.target_passes) / self.target_passes if self.target_passes else 1.0
+
+    @property
+    def acceptance_rates(self) -> list[float]:
+        """Conditional acceptance per depth: P(a node at depth d+1 is accepted | one was tested there)."""
+        return [a / j if j else 0.0 for a, j in zip(self.accepted_per_position, self.judged_per_position)]
+
+    @property
+    def draft_rate(self) -> float:
+        """Fraction of passes that verified at least one draft node (below 1 for n-gram lookup)."""
+        return self.drafted_per_position[0] / self.target_passes if self.drafted_per_position else 0.0
+
+    @property
+    def decode_time_s(self) -> float:
+        return self.total_time_s - self.prefill_time_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def record_pass(self, n_nodes: int, depth: int, accepted_depth: int, judged_depth: int) -> None:
+        """One verify pass: n_nodes drafted down to `depth`, tested down to judged_depth, accepted_depth kept."""
+        self.target_passes += 1
+        self.drafted_tokens += n_nodes
+        self.accepted_tokens += accepted_depth
+        self.nodes_per_pass.append(n_nodes)
+        grow = depth - len(self.drafted_per_position)
+        if grow > 0:
+            for counts in (self.drafted_per_position, self.judged_per_position, self.accepted_per_position):
+                counts.extend([0] * grow)
+        for d in range(depth):
+            self.drafted_per_position[d] += 1
+        for d in range(judged_depth):
+            self.judged_per_position[d] += 1
+        for d in range(accepted_depth):
+            self.accepted_per_position[d] += 1
+
+    def merge(self, other: GenerationStats) -> GenerationStats:
+        """A new GenerationStats summing self and other (for per-benchmark totals)."""
+        out = GenerationStats(**{k: v for k, v in asdict(self).items()})
+        for name in ("new_tokens", "target_passes", "accepted_tokens", "drafted_tokens", "prefill_time_s",
+                     "draft_time_s", "verify_time_s", "total_time_s", "generations"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        for name in ("accepted_per_position", "judged_per_position", "drafted_per_position"):
+            a, b = getattr(self, name), getattr(other, name)
+            n = max(len(a), len(b))
+            setattr(out, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)])
+        out.nodes_per_pass = self.nodes_per_pass + other.nodes_per_pass
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("nodes_per_pass")
+        d.update(tau=self.tau, acceptance_rates=self.acceptance_rates, draft_rate=self.draft_rate,
+                 tokens_per_s=self.tokens_per_s, decode_time_s=self.decode_time_s)
+        return d
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+def target_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Softmax of logits [..., V] after temperature, then top-k, then top-p (transformers' order and rules).
+
+    top_k 0 = off; top_p keeps the smallest set of most likely tokens whose mass reaches top_p (at least one).
+    """
+    if temperature <= 0:
+        raise ValueError(f"target_distribution: temperature must be > 0 (got {temperature}); greedy uses argmax")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"target_distribution: top_p must be in (0, 1], got {top_p}")
+    x = logits.float() / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sp = torch.softmax(sorted_x, dim=-1)
+        # Drop a token when the tokens ranked strictly above it already hold more than top_p of the mass.
+        drop = (torch.cumsum(sp, dim=-1) - sp) > top_p
+        drop[..., 0] = False
+        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                generator: torch.Generator | None) -> int:
+    """The token following a distribution row [V]: argmax when greedy, else a processed sample."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    p = target_distribution(logits, temperature, top_k, top_p)
+    return int(torch.multinomial(p, 1, generator=generator))
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """What is left of p [V] after the draft `token` drawn from q [V] was rejected: normalize(max(p - q, 0)).
+
+    q None means the draft was deterministic (q one-hot on `token`): the residual is p with p(token) zeroed.
+    If nothing is left (p <= q everywhere, a rejection of probability 0 up to rounding), p is returned.
+    """
+    if q is None:
+        r = p.clone()
+        r[token] = 0.0
+    else:
+        r = (p - q).clamp_min_(0.0)
+    s = r.sum()
+    return r / s if s > 0 else p
+
+
+def verify_tree(
+    tree: DraftTree, target_probs: torch.Tensor, temperature: float, generator: torch.Generator | None = None
+) -> tuple[list[int], int]:
+    """Walk the draft tree from the root by the exact acceptance rule (see the module docstring).
+
+    target_probs [N+1, V]: row 0 the target's processed distribution at the root, row i+1 at node i.
+    With temperature 0 only the argmax of each row is used (raw logits are fine).
+    Returns (accepted node indices along the path, root side first; the next token).
+    Example: chain tokens [5, 7, 9], greedy argmax rows [5, 7, 2, 4] -> ([0, 1], 2): nodes 0 and 1 match,
+    node 2 (token 9) is not row 2's argmax 2, so 2 is the correction.
+    """
+    tokens = tree.tokens.tolist()
+    children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]  # index 0 = root, i+1 = node i
+    for i, par in enumerate(tree.parents.tolist()):
+        children[par + 1].append(i)
+    accepted: list[int] = []
+    row = 0
+    if temperature <= 0:
+        best = target_probs.argmax(dim=-1).tolist()
+        while True:
+            want = best[row]
+            nxt = next((c for c in children[row] if tokens[c] == want), None)
+            if nxt is None:
+                return accepted, want
+            accepted.append(nxt)
+            row = nxt + 1
+    deterministic = tree.probs is None or tree.sampling == "topk"
+    if not deterministic and tree.sampling != "iid":
+        raise ValueError(f"verify_tree: DraftTree.sampling must be 'iid' or 'topk', got {tree.sampling!r}")
+    while True:
+        p = target_probs[row]
+        for c in children[row]:
+            x = tokens[c]
+            q = None if deterministic else tree.probs[c]
+            # Accept with min(1, p(x)/q(x)); u*q(x) < p(x) avoids dividing (q one-hot: q(x) = 1).
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u * (1.0 if q is None else float(q[x])) < float(p[x]):
+                accepted.append(c)
+                row = c + 1
+                break
+            p = residual_distribution(p, q, x)
+        else:
+            return accepted, int(torch.multinomial(p, 1, generator=generator))
+
+
+# ----------------------------------------------------------------------------------------------- caches
+def rollback_cache(cache: DynamicCache, base: int, n_new: int, keep: Sequence[int]) -> None:
+    """Keep `keep` of the last n_new cache slots (slot base + j for j in keep), packed in order at base.
+
+    Before: the cache holds base + n_new tokens. After: base + len(keep), where slot base + m holds what slot
+    base + keep[m] held. Example: base 10, n_new 4, keep [1, 3] -> slots 10, 11 take old 11 and 13, length 12.
+    A prefix keep [0, ..., m-1] (every chain) is a plain crop; otherwise the K/V rows are gathered first.
+    The gathered K/V are exactly the ones a sequential pass would have produced: each accepted node was
+    computed at its path position while seeing only the cache, the root and its own ancestors.
+    """
+    m = len(keep)
+    if m and list(keep) != list(range(m)):
+        src = torch.as_tensor(keep, dtype=torch.long) + base
+        for layer in cache.layers:
+            idx = src.to(layer.keys.device)
+            layer.keys[:, :, base:base + m] = layer.keys.index_select(2, idx)
+            layer.values[:, :, base:base + m] = layer.values.index_select(2, idx)
+    if n_new > m:
+        cache.crop(-(n_new - m))
+
+
+def _sliding_window(model: nn.Module) -> int | None:
+    """The window of the model's sliding-attention layers, None when every layer attends fully."""
+    cfg = text_config(model.config)
+    types = getattr(cfg, "layer_types", None) or []
+    window = getattr(cfg, "sliding_window", None)
+    return int(window) if window and "sliding_attention" in types else None
+
+
+def _tree_mask(anc: torch.Tensor, positions: torch.Tensor, past: int, window: int | None,
+               dtype: torch.dtype, device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Additive 4D mask [1, 1, N+1, past+N+1]: row i sees the whole cache and its own ancestors in the tree.
+
+    An additive float mask (0 = attend, dtype min = blocked) works with the eager and the SDPA attention.
+    With sliding-window layers a dict {"full_attention", "sliding_attention"} is returned, the second also
+    blocking keys at distance >= window (transformers' sliding rule), as the models accept precomputed masks.
+    """
+    q = anc.shape[0]
+    allowed = torch.ones(q, past + q, dtype=torch.bool, device=device)
+    allowed[:, past:] = anc.to(device)
+    neg = torch.finfo(dtype).min
+
+    def additive(a: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(a.shape, dtype=dtype, device=device).masked_fill_(~a, neg)[None, None]
+
+    if window is None:
+        return additive(allowed)
+    key_pos = torch.cat([torch.arange(past, device=device), positions.to(device)])
+    near = (positions.to(device)[:, None] - key_pos[None, :]) < window
+    return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & near)}
+
+
+# ----------------------------------------------------------------------------------------------- loops
+def _forward(model: nn.Module, ids: torch.Tensor, cache: DynamicCache, capture: Sequence[int] | None,
+             logits_to_keep: int = 0, **kw: Any) -> tuple[torch.Tensor, Features | None]:
+    """One target forward that extends `cache`: (logits [1, T', V], captured features or None)."""
+    if capture is None:
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep, **kw)
+        return out.logits, None
+    with FeatureCapture(model, capture) as cap:
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep, **kw)
+    return out.logits, cap.features()
+
+
+def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id])
+
+
+def _check_inputs(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    ids = input_ids[None] if input_ids.dim() == 1 else input_ids
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [1, T] with T >= 1 (batch 1), got {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return ids
+
+
+def _truncate_at_eos(tokens: list[int], eos: frozenset[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+@torch.no_grad()
+def plain_generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, GenerationStats]:
+    """Token-by-token decoding with the same processors and cache as `speculative_generate` (the reference).
+
+    Returns (new token ids [n] long, stats with tau 1). Stops after an eos token (kept) or max_new_tokens.
+    """
+    ids = _check_inputs(input_ids, max_new_tokens)
+    eos = _eos_set(eos_token_id)
+    stats = GenerationStats(generations=1)
+    t0 = time.perf_counter()
+    cache = DynamicCache()
+    logits, _ = _forward(model, ids, cache, None, logits_to_keep=1)
+    out = [_next_token(logits[0, -1], temperature, top_k, top_p, generator)]
+    stats.prefill_time_s = time.perf_counter() - t0
+    dev = ids.device
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        tv = time.perf_counter()
+        logits, _ = _forward(model, torch.tensor([[out[-1]]], device=dev), cache, None, logits_to_keep=1)
+        out.append(_next_token(logits[0, -1], temperature, top_k, top_p, generator))
+        stats.verify_time_s += time.perf_counter() - tv
+        stats.record_pass(0, 0, 0, 0)
+    stats.new_tokens = len(out)
+    stats.total_time_s = time.perf_counter() - t0
+    return torch.tensor(out, dtype=torch.long), stats
+
+
+@torch.no_grad()
+def speculative_generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    drafter: Drafter,
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, GenerationStats]:
+    """Exact speculative decoding of one prompt (see the module docstring for the loop and the rules).
+
+    input_ids [1, T] (or [T]); k is the draft length (chain length or tree depth) passed to drafter.draft,
+    0 = plain decoding through the same loop. Sampling uses `generator` for every target-side draw (the
+    drafter keeps its own). Returns (new token ids [n] long, GenerationStats); stops after an eos token
+    (kept) or max_new_tokens, exactly like plain_generate with the same arguments.
+    """
+    ids = _check_inputs(input_ids, max_new_tokens)
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    eos = _eos_set(eos_token_id)
+    capture = drafter.capture_layers
+    window = _sliding_window(model)
+    mask_dtype = next(model.parameters()).dtype
+    dev = ids.device
+    stats = GenerationStats(generations=1)
+    perf = time.perf_counter
+    t0 = perf()
+    cache = DynamicCache()
+    logits, feats = _forward(model, ids, cache, capture, logits_to_keep=1)
+    out = [_next_token(logits[0, -1], temperature, top_k, top_p, generator)]
+    stats.prefill_time_s = perf() - t0
+    td = perf()
+    drafter.begin(ids, feats, out[-1])
+    stats.draft_time_s += perf() - td
+    done = out[-1] in eos or len(out) >= max_new_tokens
+    while not done:
+        td = perf()
+        # Never draft past max_new_tokens: the pass itself always adds one token.
+        kk = min(k, max_new_tokens - len(out) - 1)
+        tree = drafter.draft(kk, temperature) if kk > 0 else DraftTree.chain(torch.empty(0, dtype=torch.long))
+        tv = perf()
+        stats.draft_time_s += tv - td
+        n = len(tree)
+        if tree.parents.numel() != n:
+            raise ValueError(f"DraftTree: {n} tokens but {tree.parents.numel()} parents")
+        past = cache.get_seq_length()
+        inp = torch.cat([torch.tensor([out[-1]], device=dev), tree.tokens.to(dev)])[None]
+        if is_chain(tree.parents) and window is None:
+            depth = n
+            logits, feats = _forward(model, inp, cache, capture)
+        else:
+            check_parents(tree.parents.tolist())
+            anc, depths = tree_layout(tree.parents)
+            depth = int(depths.max()) if n else 0
+            pos = past + torch.cat([torch.zeros(1, dtype=torch.long), depths]).to(dev)
+            mask = _tree_mask(anc, pos, past, window, mask_dtype, dev)
+            logits, feats = _forward(model, inp, cache, capture, attention_mask=mask, position_ids=pos[None])
+        rows = logits[0] if temperature <= 0 else target_distribution(logits[0], temperature, top_k, top_p)
+        accepted, nxt = verify_tree(tree, rows, temperature, generator)
+        # The cache now holds past + 1 + n slots: the root (kept) and the n nodes (keep the accepted ones).
+        rollback_cache(cache, past + 1, n, accepted)
+        stats.verify_time_s += perf() - tv
+        # The level below the last accepted node (or the root) was tested iff that node has children.
+        last = accepted[-1] if accepted else -1
+        tested = len(accepted) + int(len(accepted) < n and bool((tree.parents == last).any()))
+        stats.record_pass(n, depth, len(accepted), tested)
+        draft_tokens = tree.tokens.tolist()
+        new, done = _truncate_at_eos([draft_tokens[a] for a in accepted] + [nxt], eos)
+        out.extend(new)
+        if len(out) >= max_new_tokens:
+            del out[max_new_tokens:]
+            done = True
+        if not done:
+            tc = perf()
+            # Features of [root, accepted...] in path order: rows 0 and a+1 of this pass.
+            f = None if feats is None else feats.index(torch.tensor([0] + [a + 1 for a in accepted], device=dev))
+            drafter.commit(accepted, f, nxt)
+            stats.draft_time_s += perf() - tc
+    stats.new_tokens = len(out)
+    stats.total_time_s = perf() - t0
+    return torch.tensor(out, dtype=torch.long), stats

@@ -1,0 +1,189 @@
+"""Drafters that are not trained heads: n-gram prompt lookup, a separate draft model, self-speculative layers.
+
+All three implement heads.base.Drafter (begin / draft / commit) and draft chains:
+
+    NgramDrafter(n_max=3, n_min=1)          copy the continuation of the latest earlier match of the last
+                                            n tokens (n = n_max down to n_min); no model, proposes nothing
+                                            when nothing matches (the pass is then a plain decoding step)
+    ModelDrafter(draft_model)               a smaller causal LM sharing the target's tokenizer, with its own
+                                            KV cache rolled back to the accepted path on every commit
+    self_speculative_drafter(target, n)     a ModelDrafter over the target's own first n decoder layers,
+                                            final norm and lm_head (weights shared, no training, own cache)
+
+    from eval.decoder import speculative_generate
+    ids, stats = speculative_generate(target, prompt, self_speculative_drafter(target, 8), k=3, max_new_tokens=64)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from data.target import text_config
+from heads.base import DraftTree, Features
+
+__all__ = ["ModelDrafter", "NgramDrafter", "layer_prefix_model", "self_speculative_drafter"]
+
+
+def _empty_tree(device: torch.device | str = "cpu") -> DraftTree:
+    return DraftTree.chain(torch.empty(0, dtype=torch.long, device=device))
+
+
+class NgramDrafter:
+    """Prompt lookup: propose what followed the most recent earlier occurrence of the context's last n tokens.
+
+    An index per n maps each n-gram to where its latest continuation starts, updated as tokens are committed,
+    so a lookup is a dict access whatever the context length. Example (n = 2): context [a b c d a b], the
+    suffix (a b) last occurred at 0 with continuation starting at 2, so draft(3) proposes [c d a].
+    Drafts are deterministic (probs None).
+    """
+
+    capture_layers = None
+
+    def __init__(self, n_max: int = 3, n_min: int = 1):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"NgramDrafter: need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        self.n_max, self.n_min = n_max, n_min
+        self.tokens: list[int] = []
+        self.index: dict[int, dict[tuple[int, ...], int]] = {}
+        self._draft: list[int] = []
+        self._device: torch.device = torch.device("cpu")
+
+    def _append(self, token: int) -> None:
+        t = len(self.tokens)
+        self.tokens.append(token)
+        # The n-gram ending just before position t now has a continuation starting at t.
+        for n in range(self.n_min, self.n_max + 1):
+            if t >= n:
+                self.index[n][tuple(self.tokens[t - n:t])] = t
+
+    def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
+        self._device = prompt_ids.device
+        self.tokens, self.index = [], {n: {} for n in range(self.n_min, self.n_max + 1)}
+        for t in prompt_ids.reshape(-1).tolist() + [next_token]:
+            self._append(t)
+
+    def draft(self, k: int, temperature: float) -> DraftTree:
+        self._draft = []
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if len(self.tokens) > n:
+                start = self.index[n].get(tuple(self.tokens[-n:]))
+                if start is not None:
+                    self._draft = self.tokens[start:start + k]
+                    break
+        if not self._draft:
+            return _empty_tree(self._device)
+        return DraftTree.chain(torch.tensor(self._draft, dtype=torch.long, device=self._device))
+
+    def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
+        for a in accepted:
+            self._append(self._draft[a])
+        self._append(next_token)
+
+
+class ModelDrafter:
+    """A causal LM drafting chains with its own KV cache (a separate draft model, or a layer prefix).
+
+    Cache contract: after begin, the cache holds the prompt; `pending` are committed tokens it has not read.
+    draft(k) feeds pending, then samples d1..dk feeding d1..d(k-1), so the cache grows by len(pending) + k-1.
+    commit keeps the accepted prefix of d1..d(k-1) (crop), and pending becomes [dk] if all k were accepted,
+    plus the next token. Example: pending [r], k 3, accepted 2 -> cache keeps r d1 d2, pending [next].
+    At temperature 0 drafts are argmax (probs None); otherwise sampled from q = softmax(logits / T) with the
+    drafter's own generator, and q is returned (over the TARGET vocab) for the exact acceptance rule.
+    """
+
+    capture_layers = None
+
+    def __init__(self, model: nn.Module, vocab_size: int | None = None, generator: torch.Generator | None = None):
+        self.model = model
+        self.vocab_size = int(vocab_size or text_config(model.config).vocab_size)
+        self.generator = generator
+        self.cache = DynamicCache()
+        self.pending: list[int] = []
+        self._draft: list[int] = []
+        self._device = next(model.parameters()).device
+
+    def _logits(self, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens], dtype=torch.long, device=self._device)
+        logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        v = self.vocab_size
+        if logits.shape[-1] >= v:
+            return logits[:v]
+        # A draft vocab smaller than the target's: the missing tokens are never proposed.
+        return torch.cat([logits, logits.new_full((v - logits.shape[-1],), float("-inf"))])
+
+    @torch.no_grad()
+    def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
+        self.cache = DynamicCache()
+        self.model(input_ids=prompt_ids.to(self._device), cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.pending = [next_token]
+        self._draft = []
+
+    @torch.no_grad()
+    def draft(self, k: int, temperature: float) -> DraftTree:
+        self._draft = []
+        if k <= 0:
+            return _empty_tree(self._device)
+        logits = self._logits(self.pending)
+        self.pending = []
+        probs = []
+        for step in range(k):
+            if temperature <= 0:
+                tok = int(logits.argmax())
+            else:
+                q = torch.softmax(logits.float() / temperature, dim=-1)
+                tok = int(torch.multinomial(q, 1, generator=self.generator))
+                probs.append(q)
+            self._draft.append(tok)
+            if step < k - 1:
+                logits = self._logits([tok])
+        tokens = torch.tensor(self._draft, dtype=torch.long, device=self._device)
+        return DraftTree.chain(tokens, torch.stack(probs) if probs else None)
+
+    def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
+        k, a = len(self._draft), len(accepted)
+        if k == 0:
+            self.pending.append(next_token)
+            return
+        fed = k - 1  # d1..d(k-1) are in the cache; dk was only sampled
+        if a < fed:
+            self.cache.crop(-(fed - a))
+        self.pending = ([self._draft[-1]] if a == k else []) + [next_token]
+
+
+def layer_prefix_model(model: nn.Module, num_layers: int) -> nn.Module:
+    """A view of a causal LM that runs only its first `num_layers` decoder layers, then its final norm and head.
+
+    No weight is copied: the returned module is a shallow copy of `model` (and of its decoder) holding the
+    same layer, norm, embedding and head modules, with a copied config whose num_hidden_layers (and
+    layer_types) are cut, so transformers' own forward stops early and sizes its cache to the prefix.
+    The target itself is left untouched.
+    """
+    cfg = text_config(model.config)
+    total = int(cfg.num_hidden_layers)
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"layer_prefix_model: num_layers must be in 1..{total}, got {num_layers}")
+    base = model.get_decoder()
+    new_cfg = copy.deepcopy(cfg)
+    new_cfg.num_hidden_layers = num_layers
+    if getattr(new_cfg, "layer_types", None):
+        new_cfg.layer_types = list(new_cfg.layer_types)[:num_layers]
+    new_base = copy.copy(base)
+    new_base.config = new_cfg
+    new_model = copy.copy(model)
+    new_model.config = new_cfg
+    # copy.copy shares the child-module dict; give the wrapper its own before swapping the decoder in.
+    new_model._modules = dict(model._modules)
+    names = [name for name, child in model.named_children() if child is base]
+    if not names:
+        raise ValueError(f"layer_prefix_model: the decoder of {type(model).__name__} is not a direct child")
+    new_model._modules[names[0]] = new_base
+    return new_model
+
+
+def self_speculative_drafter(model: nn.Module, num_layers: int, generator: torch.Generator | None = None) -> ModelDrafter:
+    """Draft with the target's first `num_layers` layers + final norm + lm_head (no training, own cache)."""
+    return ModelDrafter(layer_prefix_model(model, num_layers), text_config(model.config).vocab_size, generator)
