@@ -105,7 +105,7 @@ def tokenize_records(
     """records (dicts with `id`, `messages`) -> tokenized Dataset (batched map, cached in `cache_file`).
 
     Conversations with no assistant token left after truncation are dropped (they teach nothing);
-    `summarize` reports how many.
+    `build_datasets` reports how many on stderr.
     """
     raw = datasets.Dataset.from_list([{"id": r["id"], "messages": json.dumps(r["messages"])} for r in records])
 
@@ -143,6 +143,9 @@ def build_datasets(cfg: RunConfig, tokenizer: Any) -> tuple[datasets.Dataset, da
         [{"id": r.id, "messages": r.messages} for r in recs], tokenizer, cfg.data.max_length,
         cfg.data.chat_template, cache_dir / f"tokenized-{_data_key(cfg, tokenizer)}.arrow",
     )
+    if len(ds) < len(recs):
+        print(f"data: dropped {len(recs) - len(ds)} of {len(recs)} conversations with no assistant token within "
+              f"data.max_length={cfg.data.max_length}", file=sys.stderr)
     if len(ds) < 2 or cfg.data.holdout_fraction <= 0:
         return ds, ds.select([])
     n_hold = max(1, round(len(ds) * cfg.data.holdout_fraction))
