@@ -96,7 +96,15 @@ def report_table(js: Path | None, md: Path | None) -> str:
     return "\n".join(lines)
 
 
-def serving_section(family: str, repo_id: str, target_hub: str) -> str:
+def best_k(js: Path | None, default: int = 5) -> int:
+    """The draft length eval.run found best (report.json speedup_model.best_k), else `default`."""
+    if js is None:
+        return default
+    k = json.loads(js.read_text()).get("speedup_model", {}).get("best_k")
+    return int(k) if isinstance(k, int) and k > 0 else default
+
+
+def serving_section(family: str, repo_id: str, target_hub: str, k: int = 5) -> str:
     """How to serve the published folder with vLLM and SGLang (or why an engine cannot)."""
     name = repo_id.split("/")[-1]
     if family == "eagle3":
@@ -104,7 +112,7 @@ def serving_section(family: str, repo_id: str, target_hub: str) -> str:
 
 ```bash
 vllm serve {target_hub} \\
-  --speculative-config '{{"method": "eagle3", "model": "{repo_id}", "num_speculative_tokens": 5}}'
+  --speculative-config '{{"method": "eagle3", "model": "{repo_id}", "num_speculative_tokens": {k}}}'
 ```
 
 SGLang (the `sglang/` folder; layer ids in SGLang's convention, one less than vLLM's):
@@ -112,8 +120,8 @@ SGLang (the `sglang/` folder; layer ids in SGLang's convention, one less than vL
 ```bash
 huggingface-cli download {repo_id} --include "sglang/*" --local-dir {name}
 python -m sglang.launch_server --model-path {target_hub} --speculative-algorithm EAGLE3 \\
-  --speculative-draft-model-path {name}/sglang --speculative-num-steps 5 \\
-  --speculative-eagle-topk 1 --speculative-num-draft-tokens 6
+  --speculative-draft-model-path {name}/sglang --speculative-num-steps {k} \\
+  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}
 ```"""
     if family == "medusa":
         return """The root holds the Medusa repository layout (`medusa_lm_head.safetensors`), loaded by the Medusa
@@ -127,7 +135,7 @@ architectures only; for this target use an MTP-capable loader with the target's 
     return "EAGLE-1 heads have no engine layout here; evaluate them with this project (`draftheads/`)."
 
 
-def model_card(meta: dict, repo_id: str, table: str | None, files: list[str], license_id: str) -> str:
+def model_card(meta: dict, repo_id: str, table: str | None, files: list[str], license_id: str, k: int = 5) -> str:
     """README.md for the Hub: YAML front matter, then target, data, config, eval table, serving, license."""
     family = meta["family"]
     t = meta["target"]
@@ -164,7 +172,7 @@ A speculative-decoding drafter ({family}) trained with draftheads on the frozen 
 {eval_part}
 
 ## Serving
-{serving_section(family, repo_id, hub)}
+{serving_section(family, repo_id, hub, k)}
 
 ## Files
 {files_part}
@@ -174,7 +182,7 @@ A speculative-decoding drafter ({family}) trained with draftheads on the frozen 
 """
 
 
-def stage(head: Path, meta: dict, out: Path, target_name: str, js: Path | None, md: Path | None) -> None:
+def stage(head: Path, meta: dict, out: Path, target_name: str, js: Path | None, md: Path | None, k: int = 5) -> None:
     """Write the folder to upload: root engine layout, sglang/, draftheads/, eval/."""
     family = meta["family"]
     _, _, target = load_target(TargetConfig(name_or_path=target_name, device="cpu"))
@@ -182,7 +190,7 @@ def stage(head: Path, meta: dict, out: Path, target_name: str, js: Path | None, 
     if fmt is None:
         export_head(head, "native", out, target, force=True)
     else:
-        export_head(head, fmt, out, target, force=True)
+        export_head(head, fmt, out, target, speculative_tokens=k, force=True)
         export_head(head, "native", out / "draftheads", target)
         if family == "eagle3":
             export_head(head, "sglang", out / "sglang", target)
@@ -233,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.stage or tmp.name) / "publish"
         if out.exists():
             shutil.rmtree(out)
-        stage(head, meta, out, args.target or meta["target"]["name_or_path"], js, md)
+        k = best_k(js)  # the measured best draft length goes into the speculators config and the commands
+        stage(head, meta, out, args.target or meta["target"]["name_or_path"], js, md, k)
         files = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file()) + ["README.md"]
-        card = model_card(meta, args.repo_id, table, sorted(files), args.license)
+        card = model_card(meta, args.repo_id, table, sorted(files), args.license, k)
         (out / "README.md").write_text(card)
         print(f"files to upload to {args.repo_id}{' (private)' if args.private else ''}:")
         for f in sorted(files):

@@ -48,7 +48,7 @@ def run_dir(tiny_target, tmp_path):
     (tmp_path / "run" / "eval").mkdir()
     (tmp_path / "run" / "eval" / "report.md").write_text(REPORT_MD + "\n")
     # the shape eval.run writes: benchmarks.<name>.by_temperature.<t>.{tau, speedup, acceptance_per_position}
-    report = {"benchmarks": {
+    report = {"speedup_model": {"best_k": 3}, "benchmarks": {
         "mt_bench": {"by_temperature": {"0.0": {"tau": 2.314, "speedup": 1.41, "acceptance_per_position": [0.7, 0.5]}}},
         "gsm8k": {"by_temperature": {"0.0": {"tau": 2.907, "speedup": 1.66, "acceptance_per_position": [0.8, 0.6]}}},
     }}
@@ -80,6 +80,8 @@ def test_dry_run_prints_card_with_measured_table(run_dir, no_hub, monkeypatch, c
               "draftheads/config.json", "draftheads/model.safetensors", "eval/report.md", "README.md"):
         assert f"  {f}  (" in out.out, f
     assert "vllm serve tiny-random-llama" in out.out and "sglang.launch_server" in out.out
+    # the measured best k (report.json) is the served draft length
+    assert """"num_speculative_tokens": 3}'""" in out.out and "--speculative-num-draft-tokens 4" in out.out
     assert "license: apache-2.0" in out.out and '"max_steps": 40' in out.out
     assert "### Speculative decoding eval" in out.out  # the report's headings sit under the card's
     assert "dry run: nothing uploaded" in out.out
