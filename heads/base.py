@@ -199,7 +199,8 @@ def save_head(path: str | Path, head: nn.Module, cfg: HeadConfig, target: Target
     mod = family_module(cfg.family)
     layer_ids = list(mod.feature_layers(cfg, target.config))
     state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
-    dtype = str(next(iter(state.values())).dtype).replace("torch.", "") if state else "float32"
+    floats = [v for v in state.values() if v.is_floating_point()]  # skip index buffers such as d2t
+    dtype = str(floats[0].dtype).replace("torch.", "") if floats else "float32"
     meta = {
         "format": "draftheads",
         "format_version": FORMAT_VERSION,
