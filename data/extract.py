@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -239,8 +241,9 @@ def extract_split(model: nn.Module, dataset: datasets.Dataset, split_dir: Path, 
         part["shards"].append(entry)
         part["complete"] = len(part["shards"]) == len(planned)
         write_json_atomic(part_path, part)
-        bar.write(f"wrote {entry['file']} ({entry['num_samples']} samples, {entry['num_tokens']} tokens, "
-                  f"{entry['bytes'] / 1e6:.1f} MB)", file=sys.stderr)
+        if show_progress:
+            bar.write(f"wrote {entry['file']} ({entry['num_samples']} samples, {entry['num_tokens']} tokens, "
+                      f"{entry['bytes'] / 1e6:.1f} MB)", file=sys.stderr)
     bar.close()
     return part
 
@@ -254,21 +257,26 @@ def _existing_bytes(split_dir: Path, header: dict) -> int:
 
 def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0, num_shards: int = 1) -> list[Path]:
     """Extract the configured splits (this process's share); returns the split folders."""
-    from accelerate import PartialState
-
-    from data.target import load_target
+    from data.target import load_target, resolve_device
     from data.tokenize import build_datasets
 
-    state = PartialState()
     if not 0 <= shard_index_ < num_shards:
         raise ValueError(f"--shard-index {shard_index_} must be in 0..{num_shards - 1}")
-    rank = shard_index_ * state.num_processes + state.process_index
-    world = num_shards * state.num_processes
-    if state.num_processes > 1 and cfg.target.device == "auto":
-        cfg.target.device = str(state.device)  # one GPU per rank, not all ranks on cuda:0
+    state = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under accelerate launch / torchrun
+        from accelerate import PartialState
+
+        # cpu=True selects the gloo backend when the target runs on the CPU (PartialState alone ignores
+        # ACCELERATE_USE_CPU and would start one independent single process per rank).
+        state = PartialState(cpu=resolve_device(cfg.target.device).type == "cpu")
+        if cfg.target.device == "auto":
+            cfg.target.device = str(state.device)  # one GPU per rank, not all ranks on cuda:0
+    nproc, pidx = (state.num_processes, state.process_index) if state else (1, 0)
+    rank, world = shard_index_ * nproc + pidx, num_shards * nproc
+    loud = pidx == 0
     model, tok, _ = load_target(cfg.target)
     layer_ids = head_layer_ids(cfg, text_config(model.config))
-    with state.main_process_first():  # the tokenized cache is written once, then read by the others
+    with state.main_process_first() if state else nullcontext():  # tokenized cache: written once, then read
         train, holdout = build_datasets(cfg, tok)
     data = {"train": train, "holdout": holdout}
     target = target_info(model, cfg.target.name_or_path, cfg.target.revision)
@@ -280,7 +288,6 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
     # Headers of the safetensors files and the offsets index add ~1%: counted in the projection.
     projected = int(tokens * bpt * 1.01)
     left = max(0, projected - sum(_existing_bytes(root / s, headers[s]) for s in splits))
-    loud = state.is_main_process
     if loud:
         print(f"features: {len(layer_ids)} aux layers {layer_ids} + last, hidden {target['hidden_size']}, "
               f"{cfg.features.dtype}: {bpt} bytes per token; {tokens} tokens ({', '.join(splits)}) -> projected "
@@ -288,15 +295,17 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
               f"{free_bytes(root) / 1e9:.1f} GB free at {root}", file=sys.stderr)
     check_disk_space(root, left)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    progress = state.is_local_main_process if state else True
     t0 = time.perf_counter()
     for s in splits:
-        extract_split(model, data[s], root / s, headers[s], rank, pad_id, show_progress=state.is_local_main_process)
-    state.wait_for_everyone()
+        extract_split(model, data[s], root / s, headers[s], rank, pad_id, show_progress=progress)
+    if state:
+        state.wait_for_everyone()
     for s in splits:
         folder = root / s
         parts = [read_json(p) for p in part_files(folder)]
         if len(parts) == world and all(p.get("complete") for p in parts):
-            if state.is_main_process:
+            if loud:
                 merge(folder)
         elif loud:
             print(f"{folder}: {sum(bool(p.get('complete')) for p in parts)} of {world} parts finished; after all jobs "

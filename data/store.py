@@ -192,8 +192,8 @@ class ShardWriter:
         """Append feature rows [n, W] (tokens in the planned order), converted to the store dtype."""
         if rows.shape[-1] != self.width or self.rows + rows.shape[0] > self.num_tokens:
             raise ValueError(f"{self.path.name}: unexpected rows {tuple(rows.shape)} after {self.rows} rows")
-        data = rows.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy()
-        self._put(memoryview(data).cast("B"))
+        data = rows.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).reshape(-1).numpy()
+        self._put(memoryview(data))
         self.rows += rows.shape[0]
 
     def close(self) -> dict:
