@@ -20,7 +20,7 @@ What it does:
   not depend on which other prompts share its batch or on an interruption.
 
 The settings that change answers are stored in OUT/<output stem>.meta.json; resuming with different ones
-is refused (delete the output or pick another --out). Bad input (malformed prompt line, unknown config
+is refused (delete the output or pick another --out). A rerun with a larger `num_prompts` extends the file. Bad input (malformed prompt line, unknown config
 key, missing model or package) prints one `error:` line naming the place and exits with code 2.
 """
 
@@ -205,10 +205,11 @@ def read_done(path: Path) -> list[str]:
 
 
 def _settings(cfg: RunConfig) -> dict[str, Any]:
-    """What decides the answers (batch_size does not: batched output equals one-at-a-time output)."""
+    """What decides the answers. Not batch_size (batched output equals one-at-a-time output) and not
+    num_prompts (the first N prompts are a prefix of the first M > N: a rerun with more extends the file)."""
     r = cfg.regenerate
     return {"target": to_dict(cfg.target) | {"device": None}, "prompts": r.prompts, "split": r.split,
-            "num_prompts": r.num_prompts, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
+            "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
             "top_p": r.top_p, "system_prompt": r.system_prompt, "seed": cfg.seed}
 
 

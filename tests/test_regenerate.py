@@ -177,6 +177,16 @@ def test_resume_with_other_settings_is_refused(tmp_path, varied):
     rg.regenerate(_cfg(tmp_path / "out", prompts, batch_size=5), model, tok)  # batch size does not matter
 
 
+def test_more_prompts_extend_the_file(tmp_path, varied):
+    model, tok = varied
+    prompts = _write_prompts(tmp_path / "p.jsonl")
+    whole = Path(rg.regenerate(_cfg(tmp_path / "whole", prompts), model, tok)["output"]).read_text()
+    assert rg.regenerate(_cfg(tmp_path / "grow", prompts, num_prompts=4), model, tok)["records"] == 4
+    s = rg.regenerate(_cfg(tmp_path / "grow", prompts), model, tok)
+    assert s["prompts_resumed"] == 4 and s["prompts_generated"] == 3
+    assert Path(s["output"]).read_text() == whole
+
+
 def test_bad_settings_and_empty_prompts_are_errors(tmp_path, varied):
     model, tok = varied
     prompts = _write_prompts(tmp_path / "p.jsonl")
