@@ -1,0 +1,111 @@
+"""Benchmark response regeneration: batched data.regenerate vs one-prompt-at-a-time `model.generate`.
+
+For each batch size, runs the real regeneration pipeline (python -m data.regenerate's code: chat template,
+left-padded batches, EOS stopping, JSONL writes with fsync) on the same greedy prompts and compares its
+generated tokens/s with a baseline that calls `model.generate` on one prompt at a time. Tokens are counted
+the same way in both: each answer's tokens up to and including its EOS (or max_new_tokens).
+
+    python scripts/bench_regenerate.py --json bench_regenerate.json            # SmolLM2-135M, CPU, ~2-4 min
+    python scripts/bench_regenerate.py --target tiny-random-llama --num-prompts 4 --max-new-tokens 8
+
+Prints a table and writes JSON {"setup": {...}, "rows": [{"batch", "tokens_per_s",
+"baseline_tokens_per_s", "ratio", ...}, ...]}; `answers_equal_baseline` counts batched answers identical to
+the one-at-a-time greedy answer (float rounding under padding can flip a near-tie; 1-at-a-time should match).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from data.config import RunConfig, TargetConfig  # noqa: E402
+from data.readers import read_records  # noqa: E402
+from data.regenerate import eos_ids, make_jobs, regenerate  # noqa: E402
+from data.target import load_model, load_tokenizer  # noqa: E402
+
+
+def baseline(model, tok, prompts: list[str], max_new_tokens: int) -> tuple[list[str], int, float]:
+    """One `model.generate` call per prompt (no padding): (answers, generated tokens, seconds)."""
+    eos = eos_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    answers, tokens = [], 0
+    start = time.perf_counter()
+    for p in prompts:
+        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=pad)
+        new = out[0, ids.shape[1]:].tolist()
+        stop = next((j for j, t in enumerate(new) if t in eos), None)
+        tokens += len(new) if stop is None else stop + 1
+        answers.append(tok.decode(new if stop is None else new[:stop], skip_special_tokens=True).strip())
+    return answers, tokens, time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2-135m", help="target name_or_path (default: smollm2-135m)")
+    ap.add_argument("--prompts", default="data/bundled/gsm8k_train.jsonl")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+
+    tcfg = TargetConfig(name_or_path=args.target, device=args.device)
+    model, tok = load_model(tcfg), load_tokenizer(tcfg)
+    records, _ = read_records(args.prompts, max_samples=args.num_prompts)
+    jobs, _ = make_jobs(records, None)
+    prompts = [j.users[0] for j in jobs]
+
+    # warm-up (first-call allocations and kernel selection), not timed
+    baseline(model, tok, prompts[:1], 4)
+    base_answers, base_tokens, base_s = baseline(model, tok, prompts, args.max_new_tokens)
+    base_tps = base_tokens / base_s
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp) / "prompts.jsonl"  # first user turns only, so both sides answer the same prompts
+        plain.write_text("".join(json.dumps({"id": j.id, "prompt": p}) + "\n" for j, p in zip(jobs, prompts)))
+        for b in args.batches:
+            cfg = RunConfig()
+            cfg.target = tcfg
+            cfg.out = os.path.join(tmp, f"b{b}")
+            r = cfg.regenerate
+            r.prompts, r.num_prompts, r.batch_size, r.max_new_tokens = str(plain), None, b, args.max_new_tokens
+            s = regenerate(cfg, model, tok)
+            got, _ = read_records(s["output"], "sharegpt")
+            same = sum(g.messages[-1]["content"] == a for g, a in zip(got, base_answers))
+            rows.append({"batch": b, "tokens_per_s": s["tokens_per_s"], "baseline_tokens_per_s": base_tps,
+                         "ratio": s["tokens_per_s"] / base_tps, "prompts_per_s": s["prompts_per_s"],
+                         "tokens": s["generated_tokens"], "seconds": s["seconds"],
+                         "answers_equal_baseline": same})
+    setup = {"target": args.target, "device": args.device, "torch_threads": torch.get_num_threads(),
+             "prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+             "baseline_tokens": base_tokens, "baseline_seconds": base_s}
+
+    print(f"regeneration throughput: {args.target} on {args.device}, {len(prompts)} prompts, greedy, "
+          f"<= {args.max_new_tokens} new tokens ({torch.get_num_threads()} threads)")
+    print(f"{'batch':>5} | {'tokens/s':>9} | {'baseline tok/s':>14} | {'ratio':>6} | {'prompts/s':>9} | "
+          f"{'tokens':>6} | same answers")
+    for row in rows:
+        print(f"{row['batch']:>5} | {row['tokens_per_s']:>9.1f} | {row['baseline_tokens_per_s']:>14.1f} | "
+              f"{row['ratio']:>6.2f} | {row['prompts_per_s']:>9.3f} | {row['tokens']:>6} | "
+              f"{row['answers_equal_baseline']}/{len(prompts)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
