@@ -1,9 +1,10 @@
 """The speedup model: predict speculative speedup for each draft length k from measured quantities only.
 
 Inputs, all measured in the same eval run:
-  a_i     conditional acceptance at draft position i (1-based): P(draft i accepted | drafts 1..i-1 accepted),
-          = accepted[i] / reached[i], where reached[i] counts target passes whose draft had a position i
-          and accepted every earlier one.
+  a_i     effective acceptance at draft position i (1-based): P(a token at position i is accepted | drafts
+          1..i-1 were accepted) = accepted[i] / accepted[i-1] (accepted[0] = all target passes). A pass whose
+          drafter proposed nothing at position i (prompt lookup without a match, a chain cut short) counts
+          as a rejection there, so E(k) at the k that ran reproduces the measured tau exactly.
   T(n)    seconds of one target pass over n new tokens (the verify cost curve; on small CPUs it grows
           with n, on a GPU at batch 1 it is nearly flat). A plain decode step is T(1).
   d       seconds of one draft step; c = d / T(1) is the cost ratio of SCIENCE.md.
@@ -27,19 +28,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-def conditional_acceptance(accepted: Sequence[int], reached: Sequence[int]) -> list[float | None]:
-    """a_i = accepted[i] / reached[i] per draft position (None where no pass reached that position).
+def effective_acceptance(accepted: Sequence[int], passes: int) -> list[float | None]:
+    """a_i = accepted[i] / accepted[i-1] per draft position, accepted[-1] taken as `passes`.
 
-    Example: 10 passes all drafted 2 tokens; 6 accepted the first, 3 of those also the second:
-    accepted [6, 3], reached [10, 6] -> [0.6, 0.5].
+    accepted[i] = passes whose draft token at position i+1 was accepted (eval.decoder's
+    GenerationStats.accepted_per_position). None where no pass got that far (the rate is unmeasured).
+    Example: 10 passes; 6 accepted position 1, 3 of those also position 2: accepted [6, 3] -> [0.6, 0.5],
+    and 1 + 0.6 + 0.6*0.5 = 1.9 = (10 + 6 + 3) / 10, the measured tau.
     """
-    if len(accepted) != len(reached):
-        raise ValueError(f"accepted has {len(accepted)} positions but reached has {len(reached)}")
     out: list[float | None] = []
-    for i, (a, r) in enumerate(zip(accepted, reached)):
-        if a > r or a < 0:
-            raise ValueError(f"position {i + 1}: accepted {a} is not within reached {r}")
-        out.append(a / r if r > 0 else None)
+    prev = passes
+    for i, a in enumerate(accepted):
+        if a < 0 or a > prev:
+            raise ValueError(f"position {i + 1}: {a} accepted but only {prev} passes reached it")
+        out.append(a / prev if prev > 0 else None)
+        prev = a
     return out
 
 
@@ -116,7 +119,7 @@ def speedup_model(
     measured: what the run did ({"k", "tau", "speedup"}, plus "nodes"/"depth" for a tree); its predicted
     tau and speedup are put next to it. trees: [{"nodes", "depth", "tau"}] tree shapes to predict with
     their own measured tau (a tree's E is not a function of the chain rates).
-    Returns {"c", "draft_cost_s", "verify_cost_s", "acceptance_per_position", "predicted" {k: speedup},
+    Returns {"c", "draft_cost_s", "verify_cost_s", "effective_acceptance", "predicted" {k: speedup},
     "predicted_tau" {k: tau}, "best_k", "trees", "measured"}; JSON keys are strings.
     """
     if not ks:
@@ -128,7 +131,7 @@ def speedup_model(
         "c": draft_cost / plain if plain > 0 else None,
         "draft_cost_s": draft_cost,
         "verify_cost_s": {str(n): verify_cost(curve, n) for n in sorted({1, *(k + 1 for k in ks)})},
-        "acceptance_per_position": list(cond),
+        "effective_acceptance": list(cond),
         "predicted": predicted,
         "predicted_tau": {str(k): expected_tokens(cond, k) for k in ks},
         "best_k": best,

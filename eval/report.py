@@ -1,0 +1,226 @@
+"""Write an eval run's report: report.json, report.md and PNG plots (matplotlib, Agg backend, no display).
+
+Files written into the run folder by `write_report(report, out_dir)`:
+  report.json                  everything eval.run measured (benchmarks.<name>.tau / .speedup /
+                               .acceptance_per_position, speedup_model.best_k / .predicted / .measured,
+                               batch_sweep, costs, ...)
+  report.md                    a table per benchmark, the speedup model, the batch sweep
+  acceptance_per_position.png  conditional acceptance at each draft position, per benchmark
+  tau_by_category.png          tau per category, per benchmark
+  speedup_vs_k.png             predicted speedup for each k, and the measured one at the k that ran
+  throughput_vs_batch.png      tokens/s of the whole machine against batch size, plain and speculative
+
+    python -m eval.report runs/x/eval/report.json      # re-render report.md and the plots from the JSON
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on servers and in tests
+import matplotlib.pyplot as plt  # noqa: E402  (must follow the backend choice)
+
+PLOTS = ("acceptance_per_position.png", "tau_by_category.png", "speedup_vs_k.png", "throughput_vs_batch.png")
+
+
+def _f(x: Any, digits: int = 2, suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, (int, float)):
+        return f"{x:.{digits}f}{suffix}"
+    return str(x)
+
+
+def _acc(rates: list[float] | None) -> str:
+    return " / ".join("-" if r is None else f"{r:.2f}" for r in rates) if rates else "-"
+
+
+def _row(method: str, cat: str, r: dict[str, Any]) -> str:
+    return (f"| {method} | {cat} | {_f(r.get('tau'))} | {_acc(r.get('acceptance_per_position'))} | "
+            f"{_f(r.get('tokens_per_s'), 1)} | {_f(r.get('speedup'), 2, 'x')} | "
+            f"{_f(r.get('decode_speedup'), 2, 'x')} | {_f(r.get('identical'))} |")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown tables (also what `python -m eval.run` prints at the end)."""
+    lines = [
+        "# Speculative decoding eval",
+        "",
+        f"Target `{report['target']}`, drafter **{report['drafter']}**"
+        + (f" (head `{report['head']}`)" if report.get("head") else "")
+        + f", k = {report['k']} ({report['k_source']}), tree `{report.get('tree', 'chain')}`, "
+        f"max {report['max_new_tokens']} new tokens, device {report['machine']['device']}.",
+        "",
+        f"- tau = {report['tau_definition']}.",
+        f"- speedup = {report['speedup_definition']}.",
+        "- acceptance per position = P(draft i accepted | drafts 1..i-1 accepted), positions 1..k.",
+        "- identical = greedy output equal to plain decoding token for token (float32; '-' when sampling).",
+        "",
+    ]
+    for name, b in report["benchmarks"].items():
+        for temp, t in b["by_temperature"].items():
+            lines += [f"## {name} (temperature {temp})", "",
+                      "| method | category | tau | acceptance per position | tok/s | speedup | decode speedup | identical |",
+                      "|---|---|---|---|---|---|---|---|",
+                      f"| plain | all | 1.00 | - | {_f(t['plain']['tokens_per_s'], 1)} | 1.00x | 1.00x | yes |",
+                      _row(report["drafter"], "all", t)]
+            if len(t["categories"]) > 1:
+                lines += [_row(report["drafter"], c, r) for c, r in t["categories"].items()]
+            for m, r in t["baselines"].items():
+                lines.append(_row(m, "all", r))
+            lines.append("")
+    sm = report["speedup_model"]
+    lines += [
+        "## Speedup model",
+        "",
+        "speedup(k) = E(k) * T(1) / (k*d + T(k+1)), E(k) = 1 + a1 + a1*a2 + ..., a_i = effective acceptance "
+        "(a position the drafter left empty counts as a rejection, so E reproduces tau at the k that ran; "
+        "positions past the measured ones reuse the deepest measured rate): "
+        + _acc(sm["effective_acceptance"]) + f". Draft step d = {_f(sm['draft_cost_s'] * 1e3, 2)} ms "
+        f"({sm.get('draft_cost_source', 'measured')}), c = d / T(1) = {_f(sm['c'], 3)}; verify cost T(n) in ms: "
+        + ", ".join(f"T({n}) {v * 1e3:.1f}" for n, v in sm["verify_cost_s"].items()) + ".",
+        "",
+        "| k | predicted tau | predicted speedup |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {k}{' (best)' if int(k) == sm['best_k'] else ''} | {_f(sm['predicted_tau'][k])} | {_f(v, 2, 'x')} |"
+              for k, v in sm["predicted"].items()]
+    m = sm.get("measured")
+    if m:
+        shape = f"k = {m['k']}" if m.get("nodes") is None else f"tree of {m['nodes']:.1f} nodes, depth {m['depth']}"
+        lines += ["", f"Best k = **{sm['best_k']}** (predicted {_f(sm['best_predicted_speedup'], 2, 'x')}). "
+                  f"Ran {shape}: predicted tau {_f(m['predicted_tau'])} / decode speedup {_f(m['predicted_speedup'], 2, 'x')}, "
+                  f"measured tau {_f(m['tau'])} / decode speedup {_f(m['speedup'], 2, 'x')} "
+                  f"(end to end {_f(m.get('end_to_end_speedup'), 2, 'x')})."]
+    bs = report["batch_sweep"]
+    lines += ["", "## Batch-size sweep", "",
+              f"Drafter {bs['drafter']}, k = {bs['k']}, greedy, {bs['max_new_tokens']} new tokens per row, "
+              f"tokens/s = {bs['tokens_per_s']}; batched verification advances every row by the minimum accepted "
+              "length plus one (exact).", "",
+              "| batch | plain tok/s | speculative tok/s | speedup | tau | identical |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch_size']} | {_f(r['plain_tok_s'], 1)} | {_f(r['spec_tok_s'], 1)} | {_f(r['speedup'], 2, 'x')} | "
+              f"{_f(r['tau'])} | {_f(r['identical'])} |" for r in bs["rows"]]
+    cross = bs["crossover_batch_size"]
+    lines += ["", "Speculation stops paying at batch size **"
+              + (f"{cross}**." if cross is not None else "none in this range** (it pays at every batch size tried)."), ""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- plots
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance(report: dict[str, Any], path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, b in report["benchmarks"].items():
+        rates = b.get("acceptance_per_position") or []
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name} ({report['drafter']})")
+        ng = b["baselines"].get("ngram", {}).get("acceptance_per_position") if report["drafter"] != "ngram" else None
+        if ng:
+            ax.plot(range(1, len(ng) + 1), ng, marker="x", linestyle="--", label=f"{name} (ngram)")
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("P(accept i | 1..i-1 accepted)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"Conditional acceptance per draft position (k={report['k']}, T={report['temperatures'][0]:g})")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_tau_by_category(report: dict[str, Any], path: Path) -> Path:
+    labels, values = [], []
+    for name, b in report["benchmarks"].items():
+        for cat, r in b["categories"].items():
+            labels.append(cat if cat == name else f"{name}/{cat}")
+            values.append(r.get("tau") or 0.0)
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.6 * len(labels) + 2), 4.0))
+    ax.bar(range(len(values)), values, color="tab:blue")
+    ax.axhline(1.0, color="gray", linestyle=":", label="plain decoding (tau 1)")
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    ax.set_ylabel("tau (tokens per target pass, incl. bonus)")
+    ax.set_title(f"tau by category ({report['drafter']}, k={report['k']}, T={report['temperatures'][0]:g})")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_speedup_vs_k(report: dict[str, Any], path: Path) -> Path:
+    sm = report["speedup_model"]
+    ks = [int(k) for k in sm["predicted"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    ax.plot(ks, list(sm["predicted"].values()), marker="o", label="predicted (measured acceptance and costs)")
+    m = sm.get("measured")
+    if m:
+        ax.plot([m["k"]], [m["speedup"]], marker="*", markersize=14, linestyle="none", color="tab:red",
+                label=f"measured at k={m['k']} (decode)")
+    ax.axhline(1.0, color="gray", linestyle=":", label="plain decoding")
+    ax.axvline(sm["best_k"], color="tab:green", linestyle="--", alpha=0.5, label=f"best k = {sm['best_k']}")
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("decode speedup over plain (x)")
+    ax.set_title(f"Speedup against draft length k ({report['drafter']})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_throughput(report: dict[str, Any], path: Path) -> Path:
+    bs = report["batch_sweep"]
+    b = [r["batch_size"] for r in bs["rows"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    ax.plot(b, [r["plain_tok_s"] for r in bs["rows"]], marker="o", label="plain")
+    ax.plot(b, [r["spec_tok_s"] for r in bs["rows"]], marker="s", label=f"speculative ({bs['drafter']}, k={bs['k']})")
+    if bs["crossover_batch_size"] is not None:
+        ax.axvline(bs["crossover_batch_size"], color="tab:red", linestyle="--", alpha=0.6,
+                   label=f"speculation stops paying: batch {bs['crossover_batch_size']}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(b, [str(x) for x in b])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode tokens/s, all rows together")
+    ax.set_title("Throughput against batch size (greedy, batched verification)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """report.json, report.md and the four plots into out_dir; returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "report.json", out / "report.md"]
+    paths[0].write_text(json.dumps(report, indent=2, default=str))
+    paths[1].write_text(markdown(report))
+    for fn, name in zip((plot_acceptance, plot_tau_by_category, plot_speedup_vs_k, plot_throughput), PLOTS):
+        paths.append(fn(report, out / name))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m eval.report REPORT.json", file=sys.stderr)
+        raise SystemExit(2)
+    path = Path(args[0])
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"error: {path}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    for p in write_report(report, path.parent):
+        print(p)
+
+
+if __name__ == "__main__":
+    main()

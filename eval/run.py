@@ -1,0 +1,488 @@
+"""Evaluate a drafter by what it does to generation: tau, acceptance per position, tokens/s, speedup, reports.
+
+    python -m eval.run --head runs/tiny/head --bench mt_bench --max-questions 2 --out runs/tiny/eval
+    python -m eval.run --head runs/qs/head --bench mt_bench,humaneval,gsm8k --temperature 0,1 --out runs/qs/eval
+    python -m eval.run --drafter ngram --target tiny-random-llama --bench gsm8k --max-questions 2 --out /tmp/ev
+    python -m eval.run --config configs/tiny-eagle.yaml --head runs/tiny/head --eval.max_new_tokens=16
+
+The target comes from the head folder's config.json unless --target or --config names one; a head made
+for another target is refused with the mismatch named (exit code 2). Every question is asked turn by
+turn; a later turn sees the target's own PLAIN-decoded answers to the earlier ones (MT-bench turn 2).
+For every turn all methods run back to back, the first method rotating from turn to turn, so machine
+noise hits plain and speculative decoding alike:
+  plain             token-by-token decoding (eval.decoder.plain_generate), the speedup reference
+  head | ngram      the drafter under evaluation through the exact speculative decoder
+  ngram             baseline: prompt lookup through the same decoder (when the drafter is a head)
+  hf_prompt_lookup  baseline: transformers' own prompt-lookup assisted generation (greedy turns only)
+tau is tokens per target forward pass counting the corrected or bonus token (SGLang's accept_length,
+EAGLE's tau); tokens/s and speedup are end to end per turn (prefill included); decode_speedup leaves
+prefill out and is what the speedup model predicts. Outputs in --out: report.json, report.md, *.png,
+config.yaml (see eval/report.py). The batch-size sweep (eval/batch.py) runs once at the end.
+
+From Python (train/*.py with train.eval_at_end): `evaluate(head_dir, cfg.eval, out_dir, cfg.target)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import sys
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from data.config import ConfigError, EvalConfig, RunConfig, TargetConfig, save_config, to_dict
+from data.readers import DataError
+from data.target import TargetLoadError, load_target
+from eval.batch import sweep
+from eval.bench import bench_name, load_questions
+from eval.decoder import GenerationStats, plain_generate, speculative_generate
+from eval.drafters import NgramDrafter
+from eval.report import write_report
+from eval.speedup import effective_acceptance, speedup_model
+from heads.base import Drafter, HeadMismatchError, family_module, load_head, read_head_config
+
+BASELINES = ("ngram", "hf_prompt_lookup")
+TAU_DEFINITION = "tokens per target forward pass, counting the corrected or bonus token (prefill excluded)"
+
+
+class EvalError(ValueError):
+    """Bad eval input (flags, head folder, benchmark); the CLI prints it on one line and exits 2."""
+
+
+# ----------------------------------------------------------------------------------------------- drafters
+def _head_drafter_factory(head: nn.Module, head_cfg: Any, io: Any, tree: str, k: int) -> Callable[[], Drafter]:
+    """A factory of fresh drafters for the head, with eval.tree mapped onto the family's own options.
+
+    tree: auto (the family's default), chain, static (Medusa's tree), dynamic (EAGLE-2).
+    """
+    family = head_cfg.family
+    mod = family_module(family)
+    kw: dict[str, Any] = {}
+    if tree != "auto":
+        if family in ("eagle1", "eagle3") and tree in ("chain", "dynamic"):
+            kw["tree"] = tree
+        elif family == "medusa" and tree == "chain":
+            kw["tree"] = [[0] * d for d in range(1, k + 1)]
+        elif family == "medusa" and tree == "static":
+            pass
+        elif family == "mtp" and tree == "chain":
+            pass
+        else:
+            raise EvalError(f"eval.tree '{tree}' is not available for a {family} head")
+    return lambda: mod.drafter(head, io, **kw)
+
+
+# ----------------------------------------------------------------------------------------------- costs
+VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 32, 64)  # tokens per target pass measured for T(n)
+
+
+@torch.no_grad()
+def measure_verify_curve(model: nn.Module, ids: torch.Tensor, sizes: Sequence[int] = VERIFY_SIZES,
+                         repeats: int = 3) -> dict[int, float]:
+    """T(n): median seconds of one target pass over n new tokens after the context `ids` [1, T] (cached).
+
+    The same call the decoder makes (cache, all logits); the cache is cropped back after every pass so
+    each size sees the same context length. Sizes are interleaved within each repeat (so a burst of
+    machine load hits all sizes alike), after one untimed round that warms the kernels.
+    """
+    cache = DynamicCache()
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    base = cache.get_seq_length()
+    pool = ids[0].repeat(max(sizes) // ids.shape[1] + 1)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(repeats + 1):
+        for n in sizes:
+            t0 = time.perf_counter()
+            model(input_ids=pool[None, :n], cache=cache, use_cache=True)
+            if r > 0:
+                times[n].append(time.perf_counter() - t0)
+            cache.crop(-(cache.get_seq_length() - base))
+    return {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+
+
+def choose_k(model: nn.Module, ids: torch.Tensor, make_drafter: Callable[[], Drafter], curve: dict[int, float],
+             eos: list[int], max_k: int = 8, pilot_tokens: int = 48) -> tuple[int, dict[str, Any]]:
+    """The k the speedup model rates best, from a short greedy pilot run at k = max_k on `ids`.
+
+    The pilot measures the conditional acceptance per position and the draft step cost; with the
+    measured verify curve they give predicted speedups for k = 1..max_k (eval.speedup).
+    """
+    _, st = speculative_generate(model, ids, make_drafter(), max_k, pilot_tokens, eos_token_id=eos)
+    steps = sum(st.drafted_per_position)
+    d = st.draft_time_s / steps if steps else 0.0
+    rates = effective_acceptance(st.accepted_per_position, st.target_passes)
+    sm = speedup_model(rates, d, curve, ks=range(1, max_k + 1))
+    return int(sm["best_k"]), {"pilot_tokens": st.new_tokens, "pilot_effective_acceptance": rates,
+                               "pilot_draft_step_s": d, "pilot_predicted": sm["predicted"]}
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+def _summary(stats: GenerationStats | None, plain: GenerationStats, identical: list[bool]) -> dict[str, Any]:
+    """One table row: a speculative method's stats against the plain run of the same turns."""
+    if stats is None:
+        return {}
+    out: dict[str, Any] = {
+        "tau": stats.tau,
+        "acceptance_per_position": stats.acceptance_rates,
+        "tokens_per_s": stats.tokens_per_s,
+        "plain_tokens_per_s": plain.tokens_per_s,
+        "speedup": stats.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s > 0 else None,
+        "decode_speedup": _decode_rate(stats) / _decode_rate(plain) if _decode_rate(plain) > 0 else None,
+        "new_tokens": stats.new_tokens,
+        "target_passes": stats.target_passes,
+        "mean_nodes_per_pass": (sum(stats.nodes_per_pass) / len(stats.nodes_per_pass)) if stats.nodes_per_pass else 0.0,
+        "turns": stats.generations,
+        "identical": (all(identical) if identical else None),
+    }
+    return out
+
+
+def _decode_rate(stats: GenerationStats) -> float:
+    """Decode tokens/s: the prefill's token and time left out (what the speedup model predicts)."""
+    t = stats.decode_time_s
+    return (stats.new_tokens - stats.generations) / t if t > 0 else 0.0
+
+
+class _Tally:
+    """Stats per method and per (benchmark, category) for one temperature."""
+
+    def __init__(self) -> None:
+        self.stats: dict[tuple[str, str, str], GenerationStats] = {}
+        self.identical: dict[tuple[str, str, str], list[bool]] = {}
+
+    def add(self, method: str, bench: str, cat: str, stats: GenerationStats, identical: bool | None) -> None:
+        key = (method, bench, cat)
+        self.stats[key] = self.stats[key].merge(stats) if key in self.stats else stats
+        if identical is not None:
+            self.identical.setdefault(key, []).append(identical)
+
+    def merged(self, method: str, bench: str | None = None, cat: str | None = None) -> GenerationStats | None:
+        out = None
+        for (m, b, c), s in self.stats.items():
+            if m == method and (bench is None or b == bench) and (cat is None or c == cat):
+                out = s if out is None else out.merge(s)
+        return out
+
+    def identical_all(self, method: str, bench: str | None = None, cat: str | None = None) -> list[bool]:
+        return [x for (m, b, c), v in self.identical.items() for x in v
+                if m == method and (bench is None or b == bench) and (cat is None or c == cat)]
+
+    def table(self, methods: Sequence[str], bench: str) -> dict[str, Any]:
+        """benchmarks.<bench> for this temperature: the evaluated method's row, categories, baselines."""
+        plain = self.merged("plain", bench)
+        main = methods[0]
+        row = _summary(self.merged(main, bench), plain, self.identical_all(main, bench))
+        row["categories"] = {}
+        for cat in sorted({c for (m, b, c) in self.stats if b == bench and m == main}):
+            row["categories"][cat] = _summary(self.merged(main, bench, cat), self.merged("plain", bench, cat),
+                                              self.identical_all(main, bench, cat))
+        row["plain"] = {"tokens_per_s": plain.tokens_per_s, "new_tokens": plain.new_tokens, "turns": plain.generations}
+        row["baselines"] = {m: _summary(self.merged(m, bench), plain, self.identical_all(m, bench))
+                            for m in methods[1:] if self.merged(m, bench) is not None}
+        if "hf_prompt_lookup" in row["baselines"]:
+            # generate() does not expose its passes: no tau or acceptance for it (not 1.0, which would lie).
+            row["baselines"]["hf_prompt_lookup"].update(tau=None, acceptance_per_position=None, target_passes=None,
+                                                        mean_nodes_per_pass=None)
+        return row
+
+
+# ----------------------------------------------------------------------------------------------- running
+def _hf_prompt_lookup(model: nn.Module, ids: torch.Tensor, k: int, max_new: int, eos: list[int],
+                      pad: int) -> tuple[torch.Tensor, GenerationStats]:
+    """transformers' prompt-lookup assisted generation, timed end to end (greedy): (new ids, stats).
+
+    Only tokens and time are visible from outside generate(), so tau and acceptance stay unreported for it
+    (stats without passes; the report shows '-')."""
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                         prompt_lookup_num_tokens=k, eos_token_id=eos, pad_token_id=pad)
+    stats = GenerationStats(generations=1)
+    new = out[0, ids.shape[1]:].cpu()
+    stats.new_tokens = int(new.numel())
+    stats.total_time_s = time.perf_counter() - t0
+    return new, stats
+
+
+def _eos_ids(tok: Any, model: nn.Module) -> list[int]:
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids |= set(extra if isinstance(extra, (list, tuple)) else [extra] if extra is not None else [])
+    return sorted(i for i in ids if i is not None)
+
+
+def _turn_seed(seed: int, bench: str, qid: str, turn: int) -> int:
+    """A per-turn seed stable across processes (Python's hash() of strings is salted per process)."""
+    return zlib.crc32(f"{seed}/{bench}/{qid}/{turn}".encode())
+
+
+def _render(tok: Any, messages: list[dict[str, str]], device: torch.device) -> torch.Tensor:
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    return torch.tensor([list(ids)], dtype=torch.long, device=device)
+
+
+def evaluate(
+    head_dir: str | Path | None,
+    cfg_eval: EvalConfig,
+    out_dir: str | Path,
+    target_cfg: TargetConfig | None = None,
+    *,
+    drafter: str = "head",
+    baselines: Sequence[str] = BASELINES,
+    sweep_new_tokens: int = 32,
+    seed: int = 0,
+    loaded: tuple[nn.Module, Any, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the whole eval and write the report files into out_dir; returns the report dict (report.json).
+
+    head_dir: a head folder (drafter "head"), or None with drafter "ngram" (prompt lookup alone).
+    target_cfg: the target to load (default: the one named in the head's config.json; for drafter
+    "ngram" without a head it is required). loaded: (model, tokenizer, TargetIO) already in memory, used
+    instead of loading (the head is still checked against it). Raises HeadMismatchError for a head made
+    for another target, EvalError / DataError / TargetLoadError for bad input.
+    """
+    out = Path(out_dir)
+    if drafter not in ("head", "ngram"):
+        raise EvalError(f"--drafter must be head or ngram, got '{drafter}'")
+    if drafter == "head" and head_dir is None:
+        raise EvalError("--drafter head needs --head PATH (or use --drafter ngram)")
+    unknown = sorted(set(baselines) - set(BASELINES))
+    if unknown:
+        raise EvalError(f"unknown baseline '{unknown[0]}' (known: {', '.join(BASELINES)})")
+    if not cfg_eval.temperature:
+        raise EvalError("eval.temperature is empty")
+    if any(t < 0 for t in cfg_eval.temperature):
+        raise EvalError(f"eval.temperature must be >= 0, got {cfg_eval.temperature}")
+    head_meta: dict[str, Any] | None = None
+    if head_dir is not None:
+        _, head_meta = read_head_config(head_dir)
+        if target_cfg is None:
+            target_cfg = TargetConfig(name_or_path=head_meta["target"]["name_or_path"])
+    if target_cfg is None:
+        raise EvalError("no target: give --head, --target or --config")
+    questions = {bench_name(b): load_questions(b, cfg_eval.max_questions) for b in cfg_eval.bench}
+
+    model, tok, io = loaded if loaded is not None else load_target(target_cfg)
+    device = next(model.parameters()).device
+    head = head_cfg = None
+    if head_dir is not None:
+        head, head_cfg, head_meta = load_head(head_dir, io)  # refuses another target's head, naming why
+        head.to(device)
+    main = drafter if drafter == "ngram" else (head_cfg.family if head_cfg is not None else "head")
+    methods = [main] + [b for b in baselines if b != main]
+
+    eos = _eos_ids(tok, model)
+    first = next(iter(questions.values()))[0]
+    probe = _render(tok, [{"role": "user", "content": first.turns[0]}], device)
+    curve = measure_verify_curve(model, probe)
+    costs: dict[str, Any] = {"verify_s": {str(n): v for n, v in curve.items()},
+                             "context_tokens": int(probe.shape[1])}
+    k = cfg_eval.num_draft_tokens
+    if k is not None and k < 1:
+        raise EvalError(f"eval.num_draft_tokens must be >= 1, got {k}")
+    make_main: Callable[[], Drafter] = (
+        NgramDrafter if drafter == "ngram" else _head_drafter_factory(head, head_cfg, io, cfg_eval.tree, k or 8)
+    )
+    if k is None:
+        k, pilot = choose_k(model, probe, make_main, curve, eos)
+        costs.update(pilot)
+        if drafter == "head":
+            make_main = _head_drafter_factory(head, head_cfg, io, cfg_eval.tree, k)
+    log(f"eval: target {target_cfg.name_or_path}, drafter {main}, k {k} "
+        f"({'config' if cfg_eval.num_draft_tokens else 'chosen by the speedup model on a pilot run'}), "
+        f"methods {', '.join(['plain'] + methods)}, benchmarks {', '.join(questions)}")
+
+    by_temp: dict[str, dict[str, Any]] = {}
+    first_tally: _Tally | None = None
+    n_turns = sum(len(q.turns) for qs in questions.values() for q in qs) * len(cfg_eval.temperature)
+    bar = tqdm(total=n_turns, desc="eval turns", unit="turn", disable=None)
+    turn_index = 0
+    for temp in cfg_eval.temperature:
+        tally = _Tally()
+        run_methods = [m for m in methods if not (m == "hf_prompt_lookup" and temp > 0)]
+        for bench, qs in questions.items():
+            for q in qs:
+                messages: list[dict[str, str]] = []
+                for t, turn in enumerate(q.turns):
+                    messages.append({"role": "user", "content": turn})
+                    ids = _render(tok, messages, device)
+                    results: dict[str, tuple[torch.Tensor, GenerationStats]] = {}
+                    order = ["plain"] + run_methods
+                    r = turn_index % len(order)  # rotate who goes first: noise and warm caches hit all alike
+                    for name in order[r:] + order[:r]:
+                        gen = torch.Generator(device="cpu").manual_seed(_turn_seed(seed, bench, q.id, t))
+                        common = dict(max_new_tokens=cfg_eval.max_new_tokens, temperature=temp, eos_token_id=eos,
+                                      generator=gen)
+                        if name == "plain":
+                            results[name] = plain_generate(model, ids, **common)
+                        elif name == "hf_prompt_lookup":
+                            results[name] = _hf_prompt_lookup(model, ids, k, cfg_eval.max_new_tokens, eos,
+                                                              tok.pad_token_id)
+                        else:
+                            d = NgramDrafter() if name == "ngram" else make_main()
+                            results[name] = speculative_generate(model, ids, d, k, **common)
+                    plain_ids = results["plain"][0]
+                    for name, (new, st) in results.items():
+                        same = bool(torch.equal(new.cpu(), plain_ids.cpu())) if temp == 0 else None
+                        tally.add(name, bench, q.category, st, same)
+                    # The next turn sees the target's own plain answer (skip the end-of-turn token).
+                    messages.append({"role": "assistant",
+                                     "content": tok.decode(plain_ids.tolist(), skip_special_tokens=True)})
+                    turn_index += 1
+                    ms = results[main][1]
+                    bar.set_postfix_str(f"{bench} T={temp:g} tau {ms.tau:.2f} {ms.tokens_per_s:.1f} tok/s "
+                                        f"(plain {results['plain'][1].tokens_per_s:.1f})")
+                    bar.update(1)
+        by_temp[f"{temp:g}"] = {b: tally.table(methods, b) for b in questions}
+        first_tally = first_tally or tally
+    bar.close()
+
+    t0 = f"{cfg_eval.temperature[0]:g}"
+    benchmarks = {b: {**by_temp[t0][b], "temperature": cfg_eval.temperature[0],
+                      "by_temperature": {t: by_temp[t][b] for t in by_temp}} for b in questions}
+    # The speedup model uses every benchmark of the first temperature together.
+    assert first_tally is not None
+    all_main = first_tally.merged(main)
+    all_plain = first_tally.merged("plain")
+    steps = sum(all_main.drafted_per_position)
+    draft_cost = all_main.draft_time_s / steps if steps else 0.0
+    nodes = sum(all_main.nodes_per_pass) / max(len(all_main.nodes_per_pass), 1)
+    is_chain = max(all_main.nodes_per_pass, default=0) <= k
+    measured = {"k": k, "tau": all_main.tau, "speedup": _decode_rate(all_main) / _decode_rate(all_plain),
+                "end_to_end_speedup": all_main.tokens_per_s / all_plain.tokens_per_s,
+                "nodes": None if is_chain else nodes, "depth": None if is_chain else k}
+    rates = effective_acceptance(all_main.accepted_per_position, all_main.target_passes)
+    model_section = speedup_model(rates, draft_cost, curve,
+                                  ks=sorted(set(range(1, 9)) | {k}), measured=measured,
+                                  trees=[] if is_chain else [{"nodes": round(nodes, 1), "depth": k, "tau": all_main.tau}])
+    model_section["draft_cost_source"] = "drafter time in this run / draft steps"
+    # The curve comes from a probe before the run; these are the same costs as the run itself saw them.
+    model_section["in_run_verify_s"] = {
+        "plain_pass": all_plain.verify_time_s / max(all_plain.target_passes, 1),
+        "speculative_pass": all_main.verify_time_s / max(all_main.target_passes, 1),
+        "mean_tokens_per_speculative_pass": 1 + nodes,
+    }
+
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q.turns[0]}], tokenize=True,
+                                       add_generation_prompt=True, return_dict=False)
+               for qs in questions.values() for q in qs]
+    log(f"batch sweep: batch sizes {cfg_eval.batch_sizes}, n-gram drafter per row, k {k}, {sweep_new_tokens} new tokens per row")
+    batch_section = sweep(model, prompts, tok.pad_token_id if tok.pad_token_id is not None else eos[0],
+                          cfg_eval.batch_sizes, k, NgramDrafter, max_new_tokens=sweep_new_tokens,
+                          drafter_name="ngram (prompt lookup per row)", progress=log)
+
+    report = {
+        "target": target_cfg.name_or_path,
+        "head": None if head_dir is None else str(head_dir),
+        "family": None if head_cfg is None else head_cfg.family,
+        "drafter": main,
+        "k": k,
+        "k_source": "eval.num_draft_tokens" if cfg_eval.num_draft_tokens is not None
+        else "speedup model on a greedy pilot run (acceptance, draft cost) and the measured verify curve",
+        "tree": cfg_eval.tree,
+        "tau_definition": TAU_DEFINITION,
+        "speedup_definition": "speculative tokens/s over plain tokens/s of the same target on the same turns in "
+                              "the same run (interleaved); end to end per turn, decode_speedup without prefill",
+        "temperatures": list(cfg_eval.temperature),
+        "max_new_tokens": cfg_eval.max_new_tokens,
+        "methods": ["plain"] + methods,
+        "benchmarks": benchmarks,
+        "speedup_model": model_section,
+        "costs": costs,
+        "batch_sweep": batch_section,
+        "machine": {"device": str(device), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "torch": torch.__version__},
+        "eval_config": to_dict(cfg_eval),
+    }
+    write_report(report, out)
+    return report
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def _flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--head", help="head folder (config.json + model.safetensors)")
+    p.add_argument("--drafter", choices=("head", "ngram"), help="what to evaluate (default: head if --head, else ngram)")
+    p.add_argument("--target", help="target name_or_path (default: the head's own target, or the config's)")
+    p.add_argument("--bench", help="comma-separated: mt_bench, humaneval, gsm8k or question files")
+    p.add_argument("--temperature", type=_floats, help="comma-separated temperatures, e.g. 0,1")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--max-questions", type=int)
+    p.add_argument("--k", type=int, help="draft length (default: chosen from measured costs)")
+    p.add_argument("--batch-sizes", type=_ints, help="batch sizes of the sweep, e.g. 1,2,4,8,16")
+    p.add_argument("--sweep-new-tokens", type=int, default=32, help="tokens per row in the batch sweep")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is steadier on a "
+                   "machine shared with other jobs)")
+    p.add_argument("--baselines", default=",".join(BASELINES),
+                   help=f"comma-separated subset of {','.join(BASELINES)} (empty for none)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from data.config import parse_args
+
+    argv = sys.argv[1:] if argv is None else argv
+    cfg, args = parse_args("Evaluate a drafter: tau, acceptance, speedup, batch sweep, reports.", argv, _flags)
+    ev: EvalConfig = cfg.eval
+    if args.bench:
+        ev.bench = [b.strip() for b in args.bench.split(",") if b.strip()]
+    for flag, field_name in (("temperature", "temperature"), ("max_new_tokens", "max_new_tokens"),
+                             ("max_questions", "max_questions"), ("k", "num_draft_tokens"),
+                             ("batch_sizes", "batch_sizes")):
+        if getattr(args, flag) is not None:
+            setattr(ev, field_name, getattr(args, flag))
+    drafter = args.drafter or ("head" if args.head else "ngram")
+    target_cfg: TargetConfig | None = None
+    if args.target:
+        target_cfg = TargetConfig(**{**to_dict(cfg.target), "name_or_path": args.target}) if args.config else \
+            TargetConfig(name_or_path=args.target)
+    elif args.config:
+        target_cfg = cfg.target
+    elif not args.head:
+        target_cfg = RunConfig().target
+    out = Path(cfg.out if (args.out or args.config) else "runs/eval")
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # generate()'s notes on generation flags are noise here
+        save_config(cfg, out)
+        report = evaluate(args.head, ev, out, target_cfg, drafter=drafter,
+                          baselines=[b.strip() for b in args.baselines.split(",") if b.strip()],
+                          sweep_new_tokens=args.sweep_new_tokens, seed=cfg.seed)
+    except (HeadMismatchError, EvalError, DataError, TargetLoadError, ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from eval.report import markdown
+
+    print(markdown(report))
+    print(f"wrote {out / 'report.json'}, {out / 'report.md'} and plots")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The eval stage end to end on the tiny random target: report files and keys, greedy identity, multi-turn
+prompts built from the target's own answers, benchmark loading, and the refusal of another target's head.
+
+    .venv/bin/python -m pytest -q tests/test_eval.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import eval.run as run
+from data.config import EvalConfig, TargetConfig
+from data.readers import DataError
+from eval.bench import load_questions
+from eval.report import PLOTS, markdown
+from heads.base import HeadMismatchError, family_module, save_head
+from heads.eagle import Eagle3Config
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread while these tests run: two threads on a busy 2-core machine stall each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _head(tmp_path, target, name):
+    """An untrained EAGLE-3 head folder for `target` (model, tok, io): acceptance is ~0, plumbing is real."""
+    _, _, io = target
+    cfg = Eagle3Config(draft_vocab_size=io.vocab_size, ttt_length=2)
+    torch.manual_seed(0)
+    return save_head(tmp_path / name, family_module("eagle3").build(cfg, io), cfg, io)
+
+
+def _cfg(**kw):
+    base = dict(bench=["mt_bench"], max_questions=1, max_new_tokens=8, temperature=[0.0], num_draft_tokens=2,
+                batch_sizes=[1, 2])
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def test_head_for_another_target_is_refused(tmp_path, tiny_target, capsys):
+    from data.target import load_target
+
+    qwen = load_target(TargetConfig(name_or_path="tiny-random-qwen2", device="cpu"))
+    folder = _head(tmp_path, qwen, "qwen-head")
+    with pytest.raises(HeadMismatchError, match="tiny-random-qwen2.*fingerprint.*tiny-random-llama"):
+        run.evaluate(folder, _cfg(), tmp_path / "ev", TargetConfig(name_or_path="tiny-random-llama"),
+                     loaded=tiny_target, log=lambda s: None)
+    with pytest.raises(SystemExit) as e:
+        run.main(["--head", str(folder), "--target", "tiny-random-llama", "--out", str(tmp_path / "ev2")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "made for target 'tiny-random-qwen2'" in err and "tiny-random-llama" in err
+    assert not (tmp_path / "ev2" / "report.json").exists()
+
+
+def test_evaluate_head_writes_report(tmp_path, tiny_target, monkeypatch):
+    model, tok, io = tiny_target
+    folder = _head(tmp_path, tiny_target, "head")
+    prompts: list[torch.Tensor] = []
+    answers: list[torch.Tensor] = []
+    real_plain = run.plain_generate
+
+    def spy(m, ids, **kw):
+        out = real_plain(m, ids, **kw)
+        prompts.append(ids[0].clone())
+        answers.append(out[0].clone())
+        return out
+
+    monkeypatch.setattr(run, "plain_generate", spy)
+    out = tmp_path / "ev"
+    report = run.evaluate(folder, _cfg(temperature=[0.0, 1.0]), out, TargetConfig(name_or_path="tiny-random-llama"),
+                          loaded=tiny_target, sweep_new_tokens=5, log=lambda s: None)
+
+    saved = json.loads((out / "report.json").read_text())
+    b = saved["benchmarks"]["mt_bench"]
+    for key in ("tau", "speedup", "acceptance_per_position"):
+        assert key in b
+    assert b["tau"] >= 1.0 and len(b["acceptance_per_position"]) <= 2
+    sm = saved["speedup_model"]
+    assert 1 <= sm["best_k"] <= 8 and set(map(str, range(1, 9))) <= set(sm["predicted"])
+    assert sm["measured"]["k"] == 2 and "predicted_speedup" in sm["measured"]
+    assert [r["batch_size"] for r in saved["batch_sweep"]["rows"]] == [1, 2]
+    assert all(r["identical"] for r in saved["batch_sweep"]["rows"])
+    # Greedy: the head, the n-gram baseline and transformers' prompt lookup all reproduce plain decoding.
+    assert b["identical"] is True
+    assert b["baselines"]["ngram"]["identical"] is True
+    assert b["baselines"]["hf_prompt_lookup"]["identical"] is True
+    assert b["baselines"]["hf_prompt_lookup"]["tau"] is None
+    # Sampling: no identity claim, no transformers baseline (greedy only).
+    t1 = b["by_temperature"]["1"]
+    assert t1["identical"] is None and "hf_prompt_lookup" not in t1["baselines"]
+    assert report["family"] == "eagle3" and b["turns"] == 2  # one MT-bench question, two turns
+    # Turn 2's prompt is turn 1's prompt + the target's own plain answer + the second question.
+    first_answer = tok.decode(answers[0].tolist(), skip_special_tokens=True)
+    second_prompt = tok.decode(prompts[1].tolist())
+    assert tok.decode(prompts[0].tolist()).rstrip() in second_prompt
+    assert first_answer in second_prompt
+    for name in PLOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    md = (out / "report.md").read_text()
+    assert "## mt_bench (temperature 0)" in md and "## mt_bench (temperature 1)" in md
+    assert "counting the corrected or bonus token" in md and "Speculation stops paying" in md
+
+
+def test_ngram_cli_on_a_question_file(tmp_path, capsys):
+    qfile = tmp_path / "my_questions.jsonl"
+    qfile.write_text(
+        json.dumps({"question_id": 1, "category": "copy", "turns": ["Repeat: a b c a b c a b c"]}) + "\n"
+        + json.dumps({"question_id": 2, "category": "chat", "turns": ["Hi!", "And again?"]}) + "\n"
+    )
+    out = tmp_path / "ev"
+    run.main(["--drafter", "ngram", "--target", "tiny-random-llama", "--bench", str(qfile), "--max-new-tokens", "6",
+              "--k", "3", "--batch-sizes", "1,2", "--sweep-new-tokens", "4", "--baselines", "", "--out", str(out)])
+    report = json.loads((out / "report.json").read_text())
+    b = report["benchmarks"]["my_questions"]
+    assert report["drafter"] == "ngram" and report["k"] == 3
+    assert set(b["categories"]) == {"copy", "chat"} and b["turns"] == 3
+    assert b["identical"] is True and b["baselines"] == {}
+    assert "| ngram | copy |" in capsys.readouterr().out
+    assert (out / "config.yaml").is_file()
+
+
+def test_choose_k_and_verify_curve(tiny_target):
+    model, tok, _ = tiny_target
+    ids = torch.tensor([tok.encode("one two one two one two one two")])
+    curve = run.measure_verify_curve(model, ids, sizes=(1, 3, 9), repeats=1)
+    assert set(curve) == {1, 3, 9} and all(v > 0 for v in curve.values())
+    k, info = run.choose_k(model, ids, run.NgramDrafter, curve, eos=[], max_k=4, pilot_tokens=12)
+    assert 1 <= k <= 4
+    assert info["pilot_predicted"][str(k)] == max(info["pilot_predicted"].values())
+
+
+def test_bad_input_is_named(tmp_path, tiny_target):
+    with pytest.raises(DataError, match="not a bundled benchmark"):
+        run.evaluate(None, _cfg(bench=["nope"]), tmp_path, TargetConfig(name_or_path="tiny-random-llama"),
+                     drafter="ngram", loaded=tiny_target)
+    with pytest.raises(run.EvalError, match="needs --head"):
+        run.evaluate(None, _cfg(), tmp_path, drafter="head")
+    with pytest.raises(run.EvalError, match="unknown baseline 'vllm'"):
+        run.evaluate(None, _cfg(), tmp_path, drafter="ngram", baselines=["vllm"])
+    with pytest.raises(FileNotFoundError, match="not a head folder"):
+        run.evaluate(tmp_path / "missing", _cfg(), tmp_path)
+
+
+def test_questions_round_robin_and_humaneval_ask():
+    qs = load_questions("mt_bench", 3)
+    assert [q.category for q in qs] == ["writing", "roleplay", "reasoning"]
+    assert all(len(q.turns) == 2 for q in qs)
+    he = load_questions("humaneval", 2)
+    assert he[0].category == "humaneval" and "def has_close_elements" in he[0].turns[0]
+    assert he[0].turns[0].startswith("Complete the following Python function")
+    assert len(load_questions("gsm8k", 5)) == 5
+    with pytest.raises(DataError, match="max_questions"):
+        load_questions("gsm8k", 0)
+
+
+def test_markdown_handles_missing_values():
+    rows = {"tau": None, "acceptance_per_position": [0.5, None], "tokens_per_s": 3.0, "speedup": None,
+            "decode_speedup": None, "identical": None}
+    report = {
+        "target": "t", "drafter": "ngram", "head": None, "k": 2, "k_source": "x", "tree": "auto",
+        "max_new_tokens": 4, "machine": {"device": "cpu"}, "tau_definition": "d", "speedup_definition": "s",
+        "benchmarks": {"b": {"by_temperature": {"0": {**rows, "plain": {"tokens_per_s": 1.0},
+                                                      "categories": {"b": rows}, "baselines": {}}}}},
+        "speedup_model": {"draft_cost_s": 0.0, "c": 0.0, "verify_cost_s": {"1": 0.01}, "effective_acceptance": [0.5],
+                          "predicted": {"1": 1.2}, "predicted_tau": {"1": 1.5}, "best_k": 1},
+        "batch_sweep": {"drafter": "ngram", "k": 2, "max_new_tokens": 4, "tokens_per_s": "decode", "rows": [],
+                        "crossover_batch_size": None},
+    }
+    md = markdown(report)
+    assert "0.50 / -" in md and "none in this range" in md
