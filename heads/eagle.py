@@ -480,7 +480,7 @@ def _loss_eagle3(head: Eagle3Head, batch: dict, target: TargetIO) -> tuple[torch
         with torch.no_grad():
             hit = (draft_ids[logits.argmax(-1)] == arg_s).float() * mask_tok
             n = float(mask_tok.sum())
-            metrics[f"loss/{s}"] = float(step_loss)
+            metrics[f"loss/{s}"] = float(step_loss.detach())
             metrics[f"top1/{s}"] = float(hit.sum()) / max(n, 1.0)
             metrics[f"n/{s}"] = n
         hidden = o  # the next step reads this step's PRE-norm output
@@ -512,7 +512,7 @@ def _loss_eagle1(head: Eagle1Head, batch: dict, target: TargetIO) -> tuple[torch
     total = head.feature_loss_weight * feat + head.token_loss_weight * ce
     n = float(mask.sum())
     hit = (logits.argmax(-1) == t_arg).float() * mask
-    metrics = {"loss/feature": float(feat), "loss/token": float(ce), "top1/0": float(hit.sum()) / max(n, 1.0), "n/0": n}
+    metrics = {"loss/feature": float(feat.detach()), "loss/token": float(ce.detach()), "top1/0": float(hit.sum()) / max(n, 1.0), "n/0": n}
     return total, metrics
 
 

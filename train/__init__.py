@@ -1,0 +1,1 @@
+"""Training: the one shared loop (`train.loop`) and thin per-family entry scripts (`train/eagle.py`, ...)."""

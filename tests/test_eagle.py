@@ -1,0 +1,278 @@
+"""EAGLE heads: shifts, TTT attention pattern, draft vocab, losses, drafting, head folders.
+
+    .venv/bin/python -m pytest -q tests/test_eagle.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from data.features import forward_features
+from heads import eagle
+from heads.base import Features, HeadMismatchError, load_head, save_head
+
+
+def _batch(model, head, ids, loss_mask=None):
+    feats, _ = forward_features(model, ids, None, head.layer_ids)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "loss_mask": torch.ones_like(ids) if loss_mask is None else loss_mask,
+            "last": feats.last, "aux": feats.aux}
+
+
+def _eagle3(io, **kw):
+    torch.manual_seed(0)
+    cfg = eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=io.vocab_size, ttt_length=3, **kw)
+    return cfg, eagle.build(cfg, io)
+
+
+# ----------------------------------------------------------------------------------------------- shifts
+def test_shift_left_worked_example():
+    a = torch.tensor([[10, 11, 12, 13]])
+    assert eagle.shift_left(a, 2).tolist() == [[12, 13, 0, 0]]
+    assert eagle.shift_left(a, 0).tolist() == [[10, 11, 12, 13]]
+    assert eagle.shift_left(a, 5).tolist() == [[0, 0, 0, 0]]
+    feats = torch.arange(8.0).view(1, 4, 2)  # feature shifts move whole vectors along time
+    assert eagle.shift_left(feats, 1)[0].tolist() == [[2, 3], [4, 5], [6, 7], [0, 0]]
+    with pytest.raises(ValueError, match="must be >= 0"):
+        eagle.shift_left(a, -1)
+
+
+def test_step_alignment_worked_example():
+    ids = torch.tensor([[10, 11, 12, 13]])
+    mask = torch.tensor([[0, 1, 1, 1]])
+    tok0, m0 = eagle.step_alignment(ids, mask, 0)
+    tok1, m1 = eagle.step_alignment(ids, mask, 1)
+    assert tok0.tolist() == [[11, 12, 13, 0]] and m0.tolist() == [[1, 1, 0, 0]]
+    assert tok1.tolist() == [[12, 13, 0, 0]] and m1.tolist() == [[1, 0, 0, 0]]
+
+
+# ----------------------------------------------------------------------------------------------- TTT mask
+def test_ttt_attention_matches_the_documented_pattern():
+    """T = 4, step 2: keys laid out [step-0 t'=0..3 | step-1 t=0..3 | step-2 t=0..3]; query t sees the
+    causal step-0 keys and only its own index at steps 1 and 2 (FORMATS: index 0 at step 1 sees k^0_0, k^1_0)."""
+    torch.manual_seed(0)
+    t, heads, kv, d = 4, 4, 2, 8
+    q = torch.randn(1, heads, t, d)
+    keys = [torch.randn(1, kv, t, d) for _ in range(3)]
+    vals = [torch.randn(1, kv, t, d) for _ in range(3)]
+    mask = torch.tensor([
+        # step-0 keys   step-1 keys   step-2 keys
+        [1, 0, 0, 0,    1, 0, 0, 0,   1, 0, 0, 0],
+        [1, 1, 0, 0,    0, 1, 0, 0,   0, 1, 0, 0],
+        [1, 1, 1, 0,    0, 0, 1, 0,   0, 0, 1, 0],
+        [1, 1, 1, 1,    0, 0, 0, 1,   0, 0, 0, 1],
+    ], dtype=torch.bool)
+    dense = eagle.masked_attention(q, torch.cat(keys, 2), torch.cat(vals, 2), mask)
+    assert torch.allclose(eagle.ttt_attention(q, keys, vals), dense, atol=1e-6)
+    # step 1 uses the first 8 columns' pattern restricted to steps 0 and 1
+    dense1 = eagle.masked_attention(q, torch.cat(keys[:2], 2), torch.cat(vals[:2], 2), mask[:, :8])
+    assert torch.allclose(eagle.ttt_attention(q, keys[:2], vals[:2]), dense1, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- draft vocab
+def test_draft_vocab_worked_example_and_round_trip():
+    d2t, t2d = eagle.draft_vocab_from_counts(np.array([5, 0, 9, 9, 1]), 3)
+    assert d2t.tolist() == [0, 1, 1] and t2d.tolist() == [True, False, True, True, False]
+    # round trip: every draft id maps to a target id marked in t2d, and all marked ids are reached once
+    counts = np.random.default_rng(0).integers(0, 4, size=300)
+    d2t, t2d = eagle.draft_vocab_from_counts(counts, 100)
+    target_ids = torch.arange(100) + d2t
+    assert t2d[target_ids].all() and int(t2d.sum()) == 100
+    assert torch.equal(target_ids, t2d.nonzero().reshape(-1))
+    assert int((d2t != 0).sum()) > 0  # an all-zero d2t would silently mean "the first 100 ids"
+    with pytest.raises(ValueError, match=r"draft_vocab_size 300 is larger than the \d+ distinct tokens"):
+        eagle.draft_vocab_from_counts(counts, 300)
+
+
+def test_prepare_uses_loss_masked_tokens_and_head_maps_back(tiny_target):
+    import datasets
+
+    _, _, io = tiny_target
+    ds = datasets.Dataset.from_list([
+        {"input_ids": [1, 2, 3, 7, 7, 9], "loss_mask": [0, 0, 0, 1, 1, 1], "length": 6},
+        {"input_ids": [2, 9, 40], "loss_mask": [0, 1, 1], "length": 3},
+    ])
+    cfg = eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=3)
+    init = eagle.prepare(cfg, ds, io)
+    assert (torch.arange(3) + init["d2t"]).tolist() == [7, 9, 40]  # 1, 2, 3 are prompt tokens
+    head = eagle.build(cfg, io)
+    head.load_state_dict(init, strict=False)
+    assert head.to_target_ids(torch.tensor([0, 1, 2])).tolist() == [7, 9, 40]
+    q = head.to_target_probs(torch.tensor([0.5, 0.3, 0.2]), io.vocab_size)
+    assert q[[7, 9, 40]].tolist() == pytest.approx([0.5, 0.3, 0.2]) and float(q.sum()) == pytest.approx(1.0)
+    # the lm_head starts from the target's rows for those ids (final-norm scale folded in)
+    scale = io.norm(torch.ones(1, io.hidden_size)).reshape(-1)
+    assert torch.allclose(init["lm_head.weight"], io.lm_head.weight[[7, 9, 40]] * scale, atol=1e-6)
+    with pytest.raises(ValueError, match="larger than the 3 distinct tokens"):
+        eagle.prepare(eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=4), ds, io)
+
+
+# ----------------------------------------------------------------------------------------------- losses
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_loss_decreases_when_overfitting_one_batch(tiny_target, family):
+    model, _, io = tiny_target
+    torch.manual_seed(0)
+    cfg = eagle.Eagle1Config() if family == "eagle1" else eagle.Eagle3Config(
+        layer_ids=[1, 2, 3], draft_vocab_size=io.vocab_size, ttt_length=2)
+    head = eagle.build(cfg, io)
+    ids = torch.randint(0, io.vocab_size, (2, 24))
+    batch = _batch(model, head, ids)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    # Cross-entropy against the random target's near-uniform soft labels has their entropy (~5.5 nats) as
+    # its floor: EAGLE-1 is judged on its feature term, EAGLE-3 on its step-0 KL (loss minus that floor).
+    floor = 0.0
+    if family == "eagle3":
+        p = io.lm_head(batch["last"]).softmax(-1)
+        ent = -(p * p.log()).sum(-1)[:, 1:-1]  # labels at t+1 for the indices t with a token t+2
+        floor = float(ent.sum()) / ids.numel()
+    key = "loss/feature" if family == "eagle1" else "loss/0"
+    losses, top1 = [], []
+    for _ in range(40):
+        loss, m = eagle.loss(head, batch, io)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(m[key] - floor)
+        top1.append(m["top1/0"])
+    assert all(b < a for a, b in zip(losses[::10], losses[10::10]))
+    assert losses[-1] < 0.3 * losses[0]
+    assert top1[0] < 0.1 and top1[-1] > 0.15
+
+
+def test_eagle3_metrics_count_loss_masked_positions(tiny_target):
+    model, _, io = tiny_target
+    _, head = _eagle3(io)
+    ids = torch.randint(0, io.vocab_size, (1, 10))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1]])
+    _, m = eagle.loss(head, _batch(model, head, ids, mask), io)
+    # step s at index t predicts x_{t+2+s}: the masked tokens 2..9 that step s can reach are 2+s..9
+    assert [m["n/0"], m["n/1"], m["n/2"]] == [8, 7, 6]
+
+
+# ----------------------------------------------------------------------------------------------- drafting
+def test_chain_drafting_computes_what_training_time_test_trains(tiny_target):
+    """Greedy drafts from the drafter (own KV cache, own outputs fed back) equal the TTT steps at the
+    last prompt index when the sequence continues with those drafts: training and inference agree."""
+    model, _, io = tiny_target
+    _, head = _eagle3(io)
+    head.eval()
+    ids = torch.randint(0, io.vocab_size, (1, 9))
+    n = 6
+    prompt, nxt = ids[:, :n], int(ids[0, n])
+    feats, _ = forward_features(model, prompt, None, head.layer_ids)
+    d = eagle.drafter(head, io)
+    d.begin(prompt, feats, nxt)
+    tree = d.draft(3, 0.0)
+    seq = torch.cat([prompt[0], torch.tensor([nxt]), tree.tokens])[None]
+    step_logits = []
+    hook = head.lm_head.register_forward_hook(lambda mod, inp, out: step_logits.append(out[0, n - 1]))
+    with torch.no_grad():
+        eagle.loss(head, _batch(model, head, seq), io)
+    hook.remove()
+    assert [int(head.to_target_ids(lg.argmax())) for lg in step_logits] == tree.tokens.tolist()
+    # the drafter's own logits for its first draft are the TTT step-0 logits
+    assert torch.allclose(d.last_logits, step_logits[0], atol=1e-4)
+
+
+def test_commit_rolls_back_to_the_accepted_path(tiny_target):
+    model, _, io = tiny_target
+    _, head = _eagle3(io)
+    ids = torch.randint(0, io.vocab_size, (1, 12))
+    feats, _ = forward_features(model, ids, None, head.layer_ids)
+    # drafter A: begin at 6, draft, accept node 0 only, next token ids[8]
+    a = eagle.drafter(head, io)
+    a.begin(ids[:, :6], feats.slice(0, 6), int(ids[0, 6]))
+    a.draft(4, 0.0)
+    a.tree_tokens[0] = int(ids[0, 7])  # pretend the draft was x7 so the accepted path is the real sequence
+    a.commit([0], feats.slice(6, 8), int(ids[0, 8]))
+    # drafter B: begin directly at 8 with the same prefix
+    b = eagle.drafter(head, io)
+    b.begin(ids[:, :8], feats.slice(0, 8), int(ids[0, 8]))
+    assert a.n == b.n == 8
+    assert torch.allclose(a.cache_k, b.cache_k, atol=1e-5) and torch.allclose(a.last_logits, b.last_logits, atol=1e-4)
+
+
+def test_dynamic_tree_is_topological_and_ancestor_closed(tiny_target):
+    model, _, io = tiny_target
+    _, head = _eagle3(io)
+    ids = torch.randint(0, io.vocab_size, (1, 8))
+    feats, _ = forward_features(model, ids, None, head.layer_ids)
+    d = eagle.drafter(head, io, tree="dynamic", top_k=3, total_tokens=10)
+    d.begin(ids, feats, 5)
+    tree = d.draft(4, 0.0)
+    assert len(tree) == 10 and tree.probs is None and tree.sampling == "topk"
+    parents = tree.parents.tolist()
+    assert all(-1 <= p < i for i, p in enumerate(parents))
+    assert sum(p == -1 for p in parents) <= 3
+    sampled = d.draft(4, 0.7)
+    assert sampled.probs.shape == (10, io.vocab_size)
+    assert torch.allclose(sampled.probs.sum(-1), torch.ones(10), atol=1e-5)
+
+
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_greedy_speculative_output_equals_plain_decoding(tiny_target, tree):
+    from eval.decoder import plain_generate, speculative_generate
+
+    model, _, io = tiny_target
+    for family in ("eagle1", "eagle3"):
+        torch.manual_seed(1)
+        cfg = eagle.Eagle1Config() if family == "eagle1" else eagle.Eagle3Config(
+            layer_ids=[1, 2, 3], draft_vocab_size=200, ttt_length=2)
+        head = eagle.build(cfg, io)
+        prompt = torch.randint(0, io.vocab_size, (1, 10))
+        ref, _ = plain_generate(model, prompt, max_new_tokens=20)
+        d = eagle.drafter(head, io, tree=tree, top_k=3, total_tokens=8)
+        out, stats = speculative_generate(model, prompt, d, k=3, max_new_tokens=20)
+        assert out.tolist() == ref.tolist(), family
+        assert stats.tau >= 1.0
+
+
+# ----------------------------------------------------------------------------------------------- folders
+def test_head_folder_round_trip_and_mismatches_are_named(tiny_target, tmp_path):
+    from data.config import TargetConfig
+    from data.target import load_target
+
+    _, _, io = tiny_target
+    cfg, head = _eagle3(io)
+    save_head(tmp_path / "h", head, cfg, io)
+    loaded, cfg2, _ = load_head(tmp_path / "h", io)
+    assert cfg2 == cfg
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
+
+    other = copy.copy(io)
+    other.config = copy.deepcopy(io.config)
+    other.config.hidden_size = 32
+    with pytest.raises(HeadMismatchError, match="hidden_size is 64 but the target has 32"):
+        load_head(tmp_path / "h", other)
+    other.config = copy.deepcopy(io.config)
+    other.config.vocab_size = 300
+    with pytest.raises(HeadMismatchError, match="vocab_size is 259 but the target has 300"):
+        load_head(tmp_path / "h", other)
+    _, _, qwen = load_target(TargetConfig(name_or_path="tiny-random-qwen2", device="cpu"))
+    with pytest.raises(HeadMismatchError, match="made for target"):
+        load_head(tmp_path / "h", qwen)
+    meta = json.loads((tmp_path / "h" / "config.json").read_text())
+    meta["layer_ids"] = [0, 1, 2]
+    (tmp_path / "h" / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(HeadMismatchError, match=r"layer_ids \[0, 1, 2\] do not match \[1, 2, 3\]"):
+        load_head(tmp_path / "h", io)
+
+
+def test_default_layer_ids():
+    assert eagle.default_layer_ids(32) == [2, 16, 29]  # Llama-3.1-8B, as SpecForge / EAGLE
+    assert eagle.default_layer_ids(30) == [2, 15, 27]  # SmolLM2-135M
+    assert eagle.default_layer_ids(4) == [1, 2, 3]  # tiny targets: the defaults would collide
+    with pytest.raises(ValueError, match="must be ascending"):
+        eagle.feature_layers(eagle.Eagle3Config(layer_ids=[3, 1]), type("C", (), {"num_hidden_layers": 4})())
+
+
+def test_features_are_required(tiny_target):
+    _, _, io = tiny_target
+    _, head = _eagle3(io)
+    with pytest.raises(ValueError, match="needs `aux`"):
+        head.project(Features(last=torch.zeros(1, 2, io.hidden_size)))

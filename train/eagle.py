@@ -1,0 +1,16 @@
+"""Train an EAGLE-1 or EAGLE-3 head: the thin entry script over the shared loop (train/loop.py).
+
+    python train/eagle.py --config configs/tiny-eagle.yaml --out runs/tiny            # < 1 minute on CPU
+    python train/eagle.py --config configs/smollm2-135m.yaml --out runs/smol --data.path=runs/smol/regenerated.jsonl
+    accelerate launch --config_file configs/accelerate/ddp.yaml train/eagle.py --config configs/llama8b.yaml
+    python train/eagle.py --config C --out D --resume auto                            # continue after preemption
+
+Refuses a config whose head.family is not eagle1 or eagle3.
+"""
+
+from __future__ import annotations
+
+from train.loop import main
+
+if __name__ == "__main__":
+    main(family=("eagle1", "eagle3"))

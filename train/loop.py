@@ -1,0 +1,536 @@
+"""The one training loop for every head family (EAGLE-1/3, Medusa, MTP), run by accelerate.
+
+    python train/eagle.py --config configs/tiny-eagle.yaml --out runs/tiny
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 train/eagle.py --config C --out D
+    accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml train/eagle.py --config C --out D
+    python train/eagle.py --config C --out D --resume auto        # continue from D's latest checkpoint
+
+Entry scripts call `main(argv, family=...)`; the loop knows a family only through heads.base.family_module:
+`feature_layers`, `build`, `loss`, and, when the module has it, `prepare(head_cfg, train_dataset, target)
+-> {name: tensor}` (initial values for data-derived head tensors, e.g. EAGLE-3's d2t/t2d), loaded into the
+freshly built head.
+
+What a run does:
+- Accelerator (DDP / DeepSpeed ZeRO-2/3 / FSDP from the accelerate config file; gloo on CPU; bf16 or fp32
+  from train.mixed_precision); `accelerate.utils.set_seed(seed)` once before anything random.
+- Target: features.mode=online loads the full frozen target (it computes the features). Offline (a store
+  from `python -m data.extract`) loads the target too, takes the embedding, lm_head, final norm, last
+  decoder layer and rotary module (TargetIO), and frees every other decoder layer.
+- Data order is global, so the process count never changes what is learnt. Epoch e is
+  `length_buckets(lengths, train.batch_size, seed + e)`: micro-batches of train.batch_size sequences. An
+  optimizer step consumes world x grad_accum consecutive micro-batches; micro-batch i*world + r of the step
+  goes to rank r at accumulation round i. The loss of each micro-batch is normalised within the micro-batch,
+  gradients are averaged over ranks (DDP) and rounds (accumulation): the same mean over the same
+  micro-batches whatever the split. Global batch = train.batch_size x processes x grad_accum sequences;
+  grad_accum is optim.grad_accum, or train.global_batch_size / (batch_size x processes) when that is set,
+  so `python train/eagle.py` and a 2-process launch of the same config agree (up to float summation
+  order). Steps per epoch = floor(micro-batches per epoch / (world x grad_accum)).
+- AdamW over the head's parameters only; linear warmup (optim.warmup_steps) then cosine to
+  lr x min_lr_ratio at the last step; gradient clipping (optim.grad_clip); the scheduler steps once per
+  optimizer step (never scaled by the process count).
+- Every train.checkpoint_every steps: OUT/head (save_head, loadable alone) and
+  OUT/checkpoints/step-NNNNNNNN (accelerator.save_state: head, optimizer, scheduler, RNG states) plus
+  progress.json; the two newest checkpoints are kept. `--resume PATH|auto` reloads one and continues with
+  the same data order, so a stopped-and-resumed run logs the losses of an uninterrupted one.
+- SIGTERM or SIGUSR1 (SLURM preemption / time limit): the step in flight finishes, all ranks agree, a
+  checkpoint is written, the line `stopped by signal; state saved to DIR` is printed, and the process
+  exits with code 0.
+- Held-out evaluation every train.eval_every steps, before the first step and at the end: mean loss,
+  per-step top-1 `top1/k` (summed over positions: a family's `n/k` metric weights its batch) and the
+  simulated acceptance length
+      tau_sim = 1 + sum_{k=0}^{K-1} prod_{j=0}^{k} top1_j
+  i.e. tokens per target pass (counting the bonus/correction token) of a greedy chain of K drafts if step
+  j were accepted independently with probability top1_j; K = the steps the family reports (EAGLE-3: its
+  ttt_length; EAGLE-1: 1; Medusa: its heads). Logged to metrics.jsonl and printed.
+- Logging on rank 0 only: tqdm (loss, tokens/s), OUT/metrics.jsonl (one JSON object per line: a `start`
+  event with world_size, grad_accum and global_batch_size; `train` rows every train.log_every steps with
+  loss averaged over all ranks; `eval` rows; an `end` event), wandb in logging.wandb_mode (offline by
+  default; `online` without stored credentials falls back to offline instead of prompting; `disabled`).
+  The resolved config is written to OUT/config.yaml.
+- At the end every rank writes OUT/final_params_digest.rank{R}.txt: the SHA-256 of the head parameters
+  it holds (identical on all ranks under DDP or ZeRO-2) — the distributed test compares them; the
+  `end` event carries rank 0's digest and the world size. The process group is destroyed at exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from data.config import ConfigError, RunConfig, parse_args, save_config, to_dict
+from heads.base import HeadMismatchError, TargetIO, family_module, save_head
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+KEEP_CHECKPOINTS = 2
+
+
+class TrainError(ValueError):
+    """The run cannot start as configured; the message names the setting."""
+
+
+# ----------------------------------------------------------------------------------------------- plan
+@dataclass
+class Plan:
+    """Which micro-batches every rank trains on at every optimizer step (see the module docstring)."""
+
+    lengths: list[int]
+    batch_size: int
+    world: int
+    accum: int
+    seed: int
+    steps_per_epoch: int
+    total_steps: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world * self.accum
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        return _buckets(tuple(self.lengths), self.batch_size, self.seed + epoch)
+
+    def micro_batches(self, step: int, rank: int) -> list[list[int]]:
+        """The accum micro-batches (sample index lists) rank `rank` trains on at optimizer step `step`."""
+        per_step = self.world * self.accum
+        out = []
+        for i in range(self.accum):
+            m = step * per_step + i * self.world + rank
+            epoch, j = divmod(m, self.steps_per_epoch * per_step)
+            out.append(self.epoch_batches(epoch)[j])
+        return out
+
+
+@lru_cache(maxsize=4)
+def _buckets(lengths: tuple[int, ...], batch_size: int, seed: int) -> list[list[int]]:
+    from data.tokenize import length_buckets
+
+    return length_buckets(list(lengths), batch_size, seed)
+
+
+def make_plan(cfg: RunConfig, lengths: list[int], world: int) -> Plan:
+    """Grad accumulation, steps per epoch and total steps for `world` processes."""
+    bs = cfg.train.batch_size
+    if bs < 1:
+        raise TrainError(f"train.batch_size {bs}: must be >= 1")
+    if cfg.train.global_batch_size is not None:
+        g = cfg.train.global_batch_size
+        if g % (bs * world):
+            raise TrainError(f"train.global_batch_size {g} is not a multiple of train.batch_size {bs} x {world} processes")
+        accum = g // (bs * world)
+    else:
+        accum = cfg.optim.grad_accum
+    if accum < 1:
+        raise TrainError(f"optim.grad_accum {accum}: must be >= 1")
+    n_micro = len(_buckets(tuple(lengths), bs, cfg.seed))
+    steps_per_epoch = n_micro // (world * accum)
+    if steps_per_epoch < 1:
+        raise TrainError(
+            f"{len(lengths)} training conversations make {n_micro} micro-batches of {bs}, fewer than one "
+            f"optimizer step needs ({world} processes x {accum} accumulation); lower train.batch_size or "
+            f"train.global_batch_size, or add data"
+        )
+    total = cfg.train.max_steps if cfg.train.max_steps is not None else cfg.train.epochs * steps_per_epoch
+    if total < 1:
+        raise TrainError(f"nothing to train: train.max_steps / train.epochs give {total} steps")
+    return Plan(list(lengths), bs, world, accum, cfg.seed, steps_per_epoch, total)
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based): linear warmup, then cosine to min_ratio."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup - 1))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+def step_keys(metrics: dict[str, float]) -> list[int]:
+    return sorted(int(k.split("/")[1]) for k in metrics if k.startswith("top1/") and k.split("/")[1].isdigit())
+
+
+def simulated_tau(top1: Sequence[float]) -> float:
+    """1 + sum_k prod_{j<=k} top1_j: tokens per target pass of a greedy chain (see the module docstring)."""
+    tau, run = 1.0, 1.0
+    for a in top1:
+        run *= a
+        tau += run
+    return tau
+
+
+class MetricSum:
+    """Sums of batch metrics: losses per batch, `top1/k` weighted by `n/k` (1 when a family gives none)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+
+    def add(self, loss: float, metrics: dict[str, float], weight: float = 1.0) -> None:
+        self.sums["loss"] += weight * loss
+        self.sums["batches"] += weight
+        for k, v in metrics.items():
+            if k.startswith("n/") or k.startswith("top1/"):
+                continue
+            self.sums[k] += weight * float(v)
+        for s in step_keys(metrics):
+            n = float(metrics.get(f"n/{s}", 1.0)) * weight
+            self.sums[f"top1/{s}"] += float(metrics[f"top1/{s}"]) * n
+            self.sums[f"n/{s}"] += n
+
+    def reduce(self, accelerator: Any) -> dict[str, float]:
+        """Sum over ranks (every rank holds the same keys), then turn sums into means."""
+        keys = sorted(self.sums)
+        vals = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64, device=accelerator.device)
+        if accelerator.num_processes > 1:
+            vals = accelerator.reduce(vals, reduction="sum")
+        tot = dict(zip(keys, vals.tolist()))
+        batches = max(tot.pop("batches", 0.0), 1e-12)
+        out = {k: v / batches for k, v in tot.items() if not k.startswith(("n/", "top1/"))}
+        top1 = []
+        for s in sorted(int(k.split("/")[1]) for k in tot if k.startswith("top1/")):
+            out[f"top1/{s}"] = tot[f"top1/{s}"] / max(tot[f"n/{s}"], 1e-12)
+            top1.append(out[f"top1/{s}"])
+        if top1:
+            out["tau_sim"] = simulated_tau(top1)
+        return out
+
+
+class MetricsLog:
+    """OUT/metrics.jsonl and wandb on rank 0; nothing on other ranks."""
+
+    def __init__(self, cfg: RunConfig, out: Path, enabled: bool):
+        self.enabled = enabled
+        self.path = out / "metrics.jsonl"
+        self.wandb = None
+        if not enabled or cfg.logging.wandb_mode == "disabled":
+            return
+        mode = cfg.logging.wandb_mode
+        if mode not in ("offline", "online"):
+            raise TrainError(f"logging.wandb_mode '{mode}' is not one of offline, online, disabled")
+        netrc = Path("~/.netrc").expanduser()
+        if mode == "online" and not os.environ.get("WANDB_API_KEY") and not (
+            netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+        ):
+            print("wandb: no stored credentials, logging offline instead (wandb sync later)", file=sys.stderr)
+            mode = "offline"
+        import wandb
+
+        run_id = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
+        self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.run_name or out.name,
+                                id=run_id, resume="allow", mode=mode, dir=str(out), config=to_dict(cfg))
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None and "step" in row:
+            self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=int(row["step"]))
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def format_eval(step: int, m: dict[str, float]) -> str:
+    steps = [m[f"top1/{s}"] for s in sorted(int(k.split("/")[1]) for k in m if k.startswith("top1/"))]
+    top1 = " ".join(f"{a:.3f}" for a in steps)
+    return (f"eval step {step}: held-out loss {m['loss']:.4f} | top-1 per draft step {top1} | "
+            f"simulated tau {m.get('tau_sim', float('nan')):.3f} (tokens per target pass incl. bonus, "
+            f"greedy chain of {len(steps)})")
+
+
+# ----------------------------------------------------------------------------------------------- pieces
+class LossModule(nn.Module):
+    """The head plus its family's loss as one module, so DDP/DeepSpeed/FSDP wrap a forward that returns
+    (loss, metrics). The frozen target is held as a plain attribute: never trained, never saved."""
+
+    def __init__(self, head: nn.Module, loss_fn: Callable, target: TargetIO):
+        super().__init__()
+        self.head = head
+        self.loss_fn = loss_fn
+        self.target = target
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.loss_fn(self.head, batch, self.target)
+
+
+def load_frozen_target(cfg: RunConfig, device: torch.device, online: bool) -> tuple[nn.Module | None, Any, TargetIO]:
+    """(model or None, tokenizer, TargetIO). Offline runs keep only the pieces heads use."""
+    from dataclasses import replace
+
+    from data.target import decoder_layers, load_target
+
+    tcfg = replace(cfg.target, device=str(device))
+    model, tok, io = load_target(tcfg)
+    if online:
+        return model, tok, io
+    layers = decoder_layers(model)
+    del layers[: len(layers) - 1]  # io.last_layer still points at the last one
+    return None, tok, io
+
+
+def _latest_checkpoint(out: Path) -> Path | None:
+    ckpts = sorted(p for p in (out / "checkpoints").glob("step-*") if (p / "progress.json").is_file())
+    return ckpts[-1] if ckpts else None
+
+
+def params_digest(module: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(module.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------------------------- train
+def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Train cfg.head on cfg.data; returns a summary (final held-out metrics, steps, out folder).
+
+    `resume`: a checkpoint folder, or "auto" (the newest in OUT/checkpoints, if any). `on_step(step)` is
+    called on every rank after each optimizer step (used by tests to deliver a signal at a known step).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
+
+    from data.featureset import open_featureset
+    from data.tokenize import build_datasets
+
+    mod = family_module(cfg.head.family)
+    out = Path(cfg.out)
+    # CPU process groups need gloo (DeepSpeed would otherwise ask for a GPU backend); a single process
+    # must get no backend at all, or accelerate expects a process group that nobody started.
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    kwargs = [InitProcessGroupKwargs(backend="gloo")] if multi and not torch.cuda.is_available() else []
+    accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, kwargs_handlers=kwargs)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    main_proc = accelerator.is_main_process
+    stop = {"signal": None}
+    previous = {s: signal.signal(s, lambda signum, frame: stop.update(signal=signum)) for s in STOP_SIGNALS}
+    try:
+        set_seed(cfg.seed)
+        if main_proc:
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out)
+        online = cfg.features.mode == "online"
+        ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        if ds_plugin is not None:
+            # The frozen target must stay whole: ZeRO-3 init would partition it outside any engine.
+            with ds_plugin.zero3_init_context_manager(enable=False):
+                model, tok, target = load_frozen_target(cfg, accelerator.device, online)
+        else:
+            model, tok, target = load_frozen_target(cfg, accelerator.device, online)
+        with accelerator.main_process_first():
+            train_ds, hold_ds = build_datasets(cfg, tok)
+        layer_ids = list(mod.feature_layers(cfg.head, target.config))
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        train_fs = open_featureset(cfg, train_ds, model, layer_ids, "train", pad_id)
+        hold_fs = open_featureset(cfg, hold_ds, model, layer_ids, "holdout", pad_id) if len(hold_ds) else None
+        plan = make_plan(cfg, train_fs.lengths, world)
+        try:
+            init = mod.prepare(cfg.head, train_ds, target) if hasattr(mod, "prepare") else {}
+            head = mod.build(cfg.head, target)
+        except HeadMismatchError:
+            raise
+        except ValueError as e:
+            raise TrainError(f"head ({cfg.head.family}): {e}") from None
+        if init:
+            state = head.state_dict()
+            for k, v in init.items():
+                if k not in state or state[k].shape != v.shape:
+                    raise TrainError(f"{cfg.head.family}.prepare gave '{k}' {tuple(v.shape)}, which the head does not have")
+            head.load_state_dict(init, strict=False)
+        wrapped = LossModule(head, mod.loss, target)
+        optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                      weight_decay=cfg.optim.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, cfg.optim.warmup_steps, plan.total_steps, cfg.optim.min_lr_ratio))
+        accelerator.gradient_accumulation_steps = plan.accum
+        if ds_plugin is not None:
+            ds_cfg = ds_plugin.deepspeed_config
+            ds_cfg["train_micro_batch_size_per_gpu"] = plan.batch_size
+            ds_cfg["gradient_accumulation_steps"] = plan.accum
+            ds_cfg["train_batch_size"] = plan.global_batch
+            if ds_cfg.get("gradient_clipping") == "auto":
+                ds_cfg["gradient_clipping"] = cfg.optim.grad_clip
+        wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
+        accelerator.register_for_checkpointing(scheduler)
+
+        start = 0
+        ckpt = _latest_checkpoint(out) if resume == "auto" else (Path(resume) if resume else None)
+        if ckpt is not None:
+            progress = json.loads((ckpt / "progress.json").read_text())
+            if progress["global_batch"] != plan.global_batch:
+                raise TrainError(f"{ckpt}: saved with a global batch of {progress['global_batch']} sequences, this "
+                                 f"run has {plan.global_batch}; set train.global_batch_size to resume it")
+            accelerator.load_state(str(ckpt))
+            start = int(progress["step"])
+            accelerator.step = start * plan.accum
+            if main_proc:
+                print(f"resumed from {ckpt} at step {start}")
+        log = MetricsLog(cfg, out, main_proc)
+        log.write({"event": "start", "family": cfg.head.family, "world_size": world, "grad_accum": plan.accum,
+                   "per_process_batch": plan.batch_size, "global_batch_size": plan.global_batch,
+                   "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps,
+                   "train_conversations": len(train_ds), "holdout_conversations": len(hold_ds),
+                   "features": cfg.features.mode, "resumed_from": str(ckpt) if ckpt else None, "start_step": start})
+
+        def evaluate(step: int) -> dict[str, float]:
+            if hold_fs is None:
+                return {}
+            batches = _buckets(tuple(hold_fs.lengths), plan.batch_size, cfg.seed)
+            batches = sorted(batches, key=lambda b: b[0])
+            per_rank = math.ceil(len(batches) / world)
+            sums = MetricSum()
+            wrapped.eval()
+            with torch.no_grad():
+                for i in range(per_rank):
+                    j = i * world + rank
+                    # Every rank runs the same number of forwards (ZeRO-3 gathers collectively); a
+                    # rank past the end repeats batch 0 with weight 0.
+                    idx, w = (batches[j], 1.0) if j < len(batches) else (batches[0], 0.0)
+                    loss, m = wrapped(_to_device(hold_fs.batch(idx), accelerator.device))
+                    sums.add(float(loss), m, w)
+            wrapped.train()
+            res = sums.reduce(accelerator)
+            if main_proc:
+                print(format_eval(step, res), flush=True)
+            log.write({"event": "eval", "step": step, **{f"eval/{k}": v for k, v in res.items()}})
+            return res
+
+        def checkpoint(step: int) -> Path:
+            path = out / "checkpoints" / f"step-{step:08d}"
+            accelerator.save_state(str(path))
+            write_head(step)
+            if main_proc:
+                (path / "progress.json").write_text(json.dumps(
+                    {"step": step, "global_batch": plan.global_batch, "world_size": world}))
+                for old in sorted((out / "checkpoints").glob("step-*"))[:-KEEP_CHECKPOINTS]:
+                    shutil.rmtree(old, ignore_errors=True)
+            accelerator.wait_for_everyone()
+            return path
+
+        def write_head(step: int) -> None:
+            state = accelerator.get_state_dict(wrapped)
+            if main_proc:
+                fresh = mod.build(cfg.head, target)
+                fresh.load_state_dict({k.removeprefix("head."): v for k, v in state.items()})
+                save_head(out / "head", fresh, cfg.head, target,
+                          extra={"step": step, "data": cfg.data.path, "features": cfg.features.mode,
+                                 "global_batch_size": plan.global_batch})
+
+        last_eval: dict[str, float] = {}
+        if start == 0:
+            last_eval = evaluate(0)
+        wrapped.train()
+        from tqdm import tqdm
+
+        bar = tqdm(total=plan.total_steps, initial=start, disable=not main_proc, desc=f"train {cfg.head.family}",
+                   unit="step", dynamic_ncols=True)
+        window = MetricSum()
+        tokens, t_last = 0, time.perf_counter()
+        step, stopped = start, None
+        loss_value = float("nan")
+        while step < plan.total_steps:
+            for idx in plan.micro_batches(step, rank):
+                batch = _to_device(train_fs.batch(idx), accelerator.device)
+                tokens += int(batch["attention_mask"].sum())
+                with accelerator.accumulate(wrapped):
+                    loss, m = wrapped(batch)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and cfg.optim.grad_clip > 0 and \
+                            accelerator.distributed_type != DistributedType.DEEPSPEED:
+                        accelerator.clip_grad_norm_(wrapped.parameters(), cfg.optim.grad_clip)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                window.add(float(loss.detach()), m)
+            scheduler.step()
+            step += 1
+            if on_step is not None:
+                on_step(step)
+            if step % cfg.train.log_every == 0 or step == plan.total_steps:
+                res = window.reduce(accelerator)
+                elapsed = time.perf_counter() - t_last
+                tok_total = tokens * world
+                tps = tok_total / max(elapsed, 1e-9)
+                loss_value = res["loss"]
+                log.write({"event": "train", "step": step, "lr": scheduler.get_last_lr()[0],
+                           "tokens_per_s": tps, **res})
+                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tps:.0f}")
+                window, tokens, t_last = MetricSum(), 0, time.perf_counter()
+            bar.update(1)
+            if step % cfg.train.eval_every == 0 and step < plan.total_steps:
+                last_eval = evaluate(step)
+            flag = torch.tensor([0 if stop["signal"] is None else 1], device=accelerator.device)
+            if world > 1:
+                flag = accelerator.reduce(flag, reduction="sum")
+            if int(flag) > 0 and step < plan.total_steps:
+                stopped = checkpoint(step)
+                break
+            if step % cfg.train.checkpoint_every == 0 and step < plan.total_steps:
+                checkpoint(step)
+        bar.close()
+        if stopped is not None:
+            if main_proc:
+                print(f"stopped by signal; state saved to {stopped}", flush=True)
+            log.write({"event": "stopped", "step": step, "checkpoint": str(stopped)})
+            log.close()
+            return {"out": str(out), "step": step, "stopped": True, "checkpoint": str(stopped)}
+        checkpoint(step)
+        last_eval = evaluate(step) or last_eval
+        digest = params_digest(accelerator.unwrap_model(wrapped))
+        (out / f"final_params_digest.rank{rank}.txt").write_text(digest + "\n")
+        log.write({"event": "end", "step": step, "world_size": world, "params_digest": digest,
+                   "final_train_loss": loss_value, **{f"eval/{k}": v for k, v in last_eval.items()}})
+        log.close()
+        if main_proc:
+            print(f"head saved to {out / 'head'}; metrics in {out / 'metrics.jsonl'}", flush=True)
+        return {"out": str(out), "step": step, "stopped": False, "eval": last_eval, "train_loss": loss_value,
+                "digest": digest, "world_size": world}
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        accelerator.wait_for_everyone()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None, family: str | Sequence[str] | None = None) -> dict[str, Any]:
+    """Parse the common CLI (+ `--resume PATH|auto`), refuse another family's config, train."""
+    from data.readers import DataError
+    from data.store import StoreMismatchError
+    from data.target import TargetLoadError
+
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--resume", default=None,
+                       help="checkpoint folder to continue from, or `auto` (the newest in OUT/checkpoints, if any)")
+
+    cfg, args = parse_args("Train a drafter head (the shared loop).", argv, extra)
+    allowed = (family,) if isinstance(family, str) else tuple(family or ())
+    if allowed and cfg.head.family not in allowed:
+        print(f"error: {args.config or '<defaults>'}: head.family is '{cfg.head.family}' but this script trains "
+              f"{' / '.join(allowed)}", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        return train(cfg, resume=args.resume)
+    except (ConfigError, DataError, TargetLoadError, StoreMismatchError, HeadMismatchError, TrainError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
