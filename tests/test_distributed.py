@@ -1,0 +1,161 @@
+"""Data-parallel equivalence and the accelerate launcher configs (configs/accelerate/).
+
+    .venv/bin/python -m pytest -q tests/test_distributed.py            # ~40 s on 2 idle cores
+    .venv/bin/python -m pytest -q -m slow tests/test_distributed.py    # + DeepSpeed ZeRO-2/3 on CPU
+
+The equivalence test trains the tiny EAGLE-3 config for a few steps twice, in parallel: one process with
+global batch B (micro-batches of B/2, two accumulation rounds) and two processes (gloo DDP through
+`accelerate launch --config_file configs/accelerate/ddp.yaml` with ACCELERATE_USE_CPU=1) with B/2 each.
+It relies on the loop's contract (train/loop.py): an optimizer step consumes the same global micro-batches
+whatever the process count, metrics.jsonl has a `start` event with world_size and `train` rows with the
+loss averaged over ranks, every rank writes final_params_digest.rank{R}.txt, and OUT/head holds the head.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+ACCEL = REPO / "configs" / "accelerate"
+STEPS = 3
+# Global batch 4 = 2 sequences per micro-batch x (1 process x 2 rounds | 2 processes x 1 round).
+RUN_ARGS = [
+    "--config", str(REPO / "configs" / "tiny-eagle.yaml"),
+    f"--train.max_steps={STEPS}", "--train.batch_size=2", "--train.global_batch_size=4",
+    "--data.max_samples=24", "--head.draft_vocab_size=32",
+    "--train.log_every=1", "--train.eval_every=1000", "--train.checkpoint_every=1000",
+]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    env.pop("ACCELERATE_USE_CPU", None)
+    env.update(extra)
+    return env
+
+
+def _launch(accel_config: str, out: Path, env: dict[str, str]) -> subprocess.Popen:
+    """2 processes of train/eagle.py under `accelerate launch` with one of our launcher configs."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / accel_config),
+           "--num_processes", "2", "--main_process_port", "0",
+           str(REPO / "train" / "eagle.py"), *RUN_ARGS, "--out", str(out)]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _single(out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, str(REPO / "train" / "eagle.py"), *RUN_ARGS, "--out", str(out)]
+    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        text, _ = proc.communicate()
+        pytest.fail(f"{what} did not finish in {timeout:.0f} s; output tail:\n{text[-3000:]}")
+    assert proc.returncode == 0, f"{what} exited with {proc.returncode}; output tail:\n{text[-3000:]}"
+
+
+def _metrics(out: Path) -> tuple[int, list[float]]:
+    """(world size from the start event, per-step training loss)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    world = next(r["world_size"] for r in rows if r["event"] == "start")
+    train = [r for r in rows if r["event"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1)), f"{out}: train rows {train}"
+    return world, [r["loss"] for r in train]
+
+
+def _digests(out: Path) -> list[str]:
+    return [p.read_text().strip() for p in sorted(out.glob("final_params_digest.rank*.txt"))]
+
+
+def _assert_heads_close(a: Path, b: Path, atol: float) -> None:
+    ta, tb = load_file(a / "head" / "model.safetensors"), load_file(b / "head" / "model.safetensors")
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        torch.testing.assert_close(ta[k].float(), tb[k].float(), atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.distributed
+def test_two_processes_with_half_batch_match_one_process(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    procs = [(_single(one), "1-process run"),
+             (_launch("ddp.yaml", two, _env(ACCELERATE_USE_CPU="1")), "2-process DDP run")]
+    for proc, what in procs:
+        _finish(proc, what)
+
+    world1, loss1 = _metrics(one)
+    world2, loss2 = _metrics(two)
+    assert (world1, world2) == (1, 2)
+    # Same micro-batches, same normalisation: only the float summation order differs.
+    assert loss2 == pytest.approx(loss1, rel=1e-5, abs=1e-6)
+    # The loss moved: a run that silently trained nothing (e.g. two unsynchronised ranks) would not
+    # keep matching step after step.
+    assert len(set(loss1)) == STEPS
+    d1, d2 = _digests(one), _digests(two)
+    assert len(d1) == 1 and len(d2) == 2
+    assert d2[0] == d2[1], "the two DDP ranks ended with different head parameters"
+    _assert_heads_close(one, two, atol=1e-6)
+
+
+def test_launcher_configs_parse_and_say_what_they_shard() -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    expected = {"ddp.yaml": ("MULTI_GPU", None), "deepspeed_zero2.yaml": ("DEEPSPEED", 2),
+                "deepspeed_zero3.yaml": ("DEEPSPEED", 3), "fsdp.yaml": ("FSDP", None)}
+    assert sorted(p.name for p in ACCEL.glob("*.yaml")) == sorted(expected)
+    for name, (dist, stage) in expected.items():
+        cfg = load_config_from_file(str(ACCEL / name))  # accelerate's own loader: refuses unknown keys
+        assert str(cfg.distributed_type).endswith(dist), name
+        raw = yaml.safe_load((ACCEL / name).read_text())
+        if stage is not None:
+            ds_file = REPO / raw["deepspeed_config"]["deepspeed_config_file"]
+            ds = json.loads(ds_file.read_text())
+            assert ds["zero_optimization"]["stage"] == stage, ds_file
+            # The loop fills these from the run config; a number here would silently override it.
+            for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+                assert ds[key] == "auto", f"{ds_file}: {key}"
+            # accelerate can only fill hidden-size-based "auto" entries from a transformers model; heads
+            # are plain modules, so those must be numbers.
+            assert "auto" not in json.dumps(ds["zero_optimization"]), ds_file
+            # The target must not be built partitioned (the loop runs it outside any engine).
+            assert raw["deepspeed_config"]["zero3_init_flag"] is False, name
+        if dist == "FSDP":
+            assert raw["fsdp_config"]["fsdp_version"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("accel_config", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+def test_deepspeed_zero_on_cpu_matches_ddp(tmp_path: Path, accel_config: str) -> None:
+    """ZeRO-2/3 over gloo on CPU train the same head as DDP (needs the `deepspeed` extra; the first run
+    compiles DeepSpeed's CPU comm extension, about 1-5 minutes)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.fail("this test needs the deepspeed extra: pip install -e '.[deepspeed]'")
+    ddp, zero = tmp_path / "ddp", tmp_path / "zero"
+    procs = [(_launch("ddp.yaml", ddp, _env(ACCELERATE_USE_CPU="1")), "DDP run"),
+             # No ACCELERATE_USE_CPU here: with it accelerate silently drops DeepSpeed for plain CPU DDP.
+             (_launch(accel_config, zero, _env()), f"{accel_config} run")]
+    for proc, what in procs:
+        _finish(proc, what, timeout=900)
+    world_d, loss_d = _metrics(ddp)
+    world_z, loss_z = _metrics(zero)
+    assert world_d == world_z == 2
+    assert loss_z == pytest.approx(loss_d, rel=1e-4, abs=1e-5)
+    if accel_config == "deepspeed_zero2.yaml":
+        d = _digests(zero)
+        assert len(d) == 2 and d[0] == d[1], "ZeRO-2 replicates parameters: both ranks must hold the same head"
+    # Under ZeRO-3 each rank holds a shard; the head folder must still hold the full gathered weights.
+    _assert_heads_close(ddp, zero, atol=1e-5)
