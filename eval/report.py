@@ -78,14 +78,15 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(_row(m, "all", r))
             lines.append("")
     sm = report["speedup_model"]
+    dc = sm["draft_cost"]
     lines += [
         "## Speedup model",
         "",
-        "speedup(k) = E(k) * T(1) / (k*d + T(k+1)), E(k) = 1 + a1 + a1*a2 + ..., a_i = effective acceptance "
-        "(a position the drafter left empty counts as a rejection, so E reproduces tau at the k that ran; "
-        "positions past the measured ones reuse the deepest measured rate): "
-        + _acc(sm["effective_acceptance"]) + f". Draft step d = {_f(sm['draft_cost_s'] * 1e3, 2)} ms "
-        f"({sm.get('draft_cost_source', 'measured')}), c = d / T(1) = {_f(sm['c'], 3)}; verify cost T(n) in ms: "
+        "speedup(k) = E(k) * T(1) / (D(k) + f*T(k+1) + (1-f)*T(1)), E(k) = 1 + f*(a1 + a1*a2 + ...) (eval.costs), "
+        f"with the measured conditional acceptance a_i = {_acc(sm['acceptance_measured'])} (deeper positions reuse "
+        f"the deepest measured rate), share of passes that draft f = {_f(sm['draft_rate'])}, draft cost "
+        f"D(k) = {_f(dc['fixed_s'] * 1e3)} ms + k * {_f(dc['per_token_s'] * 1e3)} ms "
+        f"(c = per-token draft cost / T(1) = {_f(sm['c'], 3)}), verify cost T(n) in ms: "
         + ", ".join(f"T({n}) {v * 1e3:.1f}" for n, v in sm["verify_cost_s"].items()) + ".",
         "",
         "| k | predicted tau | predicted speedup |",
@@ -95,11 +96,15 @@ def markdown(report: dict[str, Any]) -> str:
               for k, v in sm["predicted"].items()]
     m = sm.get("measured")
     if m:
-        shape = f"k = {m['k']}" if m.get("nodes") is None else f"tree of {m['nodes']:.1f} nodes, depth {m['depth']}"
         lines += ["", f"Best k = **{sm['best_k']}** (predicted {_f(sm['best_predicted_speedup'], 2, 'x')}). "
-                  f"Ran {shape}: predicted tau {_f(m['predicted_tau'])} / decode speedup {_f(m['predicted_speedup'], 2, 'x')}, "
-                  f"measured tau {_f(m['tau'])} / decode speedup {_f(m['speedup'], 2, 'x')} "
-                  f"(end to end {_f(m.get('end_to_end_speedup'), 2, 'x')})."]
+                  f"Ran k = {m['k']}: predicted tau {_f(m['predicted_tau'])} / decode speedup "
+                  f"{_f(m['predicted_speedup'], 2, 'x')}; measured tau {_f(m['tau'])} / decode speedup "
+                  f"{_f(m['speedup'], 2, 'x')} (end to end {_f(m.get('end_to_end_speedup'), 2, 'x')}; the measured tau "
+                  f"priced at the measured costs with no loop overhead: {_f(m.get('ideal_speedup'), 2, 'x')})."]
+    if sm.get("tree"):
+        t = sm["tree"]
+        lines += ["", f"The run drafted trees (~{t['nodes']} nodes, depth {t['depth']}): its measured tau {_f(t['tau'])} "
+                  f"at the measured costs predicts {_f(t['predicted_speedup'], 2, 'x')}."]
     bs = report["batch_sweep"]
     lines += ["", "## Batch-size sweep", "",
               f"Drafter {bs['drafter']}, k = {bs['k']}, greedy, {bs['max_new_tokens']} new tokens per row, "

@@ -37,17 +37,17 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from data.config import ConfigError, EvalConfig, RunConfig, TargetConfig, save_config, to_dict
-from data.readers import DataError
+from data.readers import DataError, read_records
 from data.target import TargetLoadError, load_target
 from eval.batch import sweep
 from eval.bench import bench_name, load_questions
+from eval.costs import calibrate, choose_k, ideal_speedup, measure_verify_cost
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
 from eval.drafters import NgramDrafter
 from eval.report import write_report
-from eval.speedup import effective_acceptance, speedup_model
+from eval.speedup import speedup_model
 from heads.base import Drafter, HeadMismatchError, family_module, load_head, read_head_config
 
 BASELINES = ("ngram", "hf_prompt_lookup")
@@ -82,47 +82,15 @@ def _head_drafter_factory(head: nn.Module, head_cfg: Any, io: Any, tree: str, k:
 
 
 # ----------------------------------------------------------------------------------------------- costs
-VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 32, 64)  # tokens per target pass measured for T(n)
+VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32, 64)  # tokens per target pass measured for T(n)
+# k is tuned on prompts that are in no benchmark (GSM8K *train* questions), never on the test questions.
+CALIBRATION_FILE = Path(__file__).resolve().parent.parent / "data" / "bundled" / "tiny_conversations.jsonl"
 
 
-@torch.no_grad()
-def measure_verify_curve(model: nn.Module, ids: torch.Tensor, sizes: Sequence[int] = VERIFY_SIZES,
-                         repeats: int = 3) -> dict[int, float]:
-    """T(n): median seconds of one target pass over n new tokens after the context `ids` [1, T] (cached).
-
-    The same call the decoder makes (cache, all logits); the cache is cropped back after every pass so
-    each size sees the same context length. Sizes are interleaved within each repeat (so a burst of
-    machine load hits all sizes alike), after one untimed round that warms the kernels.
-    """
-    cache = DynamicCache()
-    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    base = cache.get_seq_length()
-    pool = ids[0].repeat(max(sizes) // ids.shape[1] + 1)
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for r in range(repeats + 1):
-        for n in sizes:
-            t0 = time.perf_counter()
-            model(input_ids=pool[None, :n], cache=cache, use_cache=True)
-            if r > 0:
-                times[n].append(time.perf_counter() - t0)
-            cache.crop(-(cache.get_seq_length() - base))
-    return {n: sorted(v)[len(v) // 2] for n, v in times.items()}
-
-
-def choose_k(model: nn.Module, ids: torch.Tensor, make_drafter: Callable[[], Drafter], curve: dict[int, float],
-             eos: list[int], max_k: int = 8, pilot_tokens: int = 48) -> tuple[int, dict[str, Any]]:
-    """The k the speedup model rates best, from a short greedy pilot run at k = max_k on `ids`.
-
-    The pilot measures the conditional acceptance per position and the draft step cost; with the
-    measured verify curve they give predicted speedups for k = 1..max_k (eval.speedup).
-    """
-    _, st = speculative_generate(model, ids, make_drafter(), max_k, pilot_tokens, eos_token_id=eos)
-    steps = sum(st.drafted_per_position)
-    d = st.draft_time_s / steps if steps else 0.0
-    rates = effective_acceptance(st.accepted_per_position, st.target_passes)
-    sm = speedup_model(rates, d, curve, ks=range(1, max_k + 1))
-    return int(sm["best_k"]), {"pilot_tokens": st.new_tokens, "pilot_effective_acceptance": rates,
-                               "pilot_draft_step_s": d, "pilot_predicted": sm["predicted"]}
+def calibration_prompts(tok: Any, device: torch.device, n: int = 2) -> list[torch.Tensor]:
+    """The first user turn of the first n bundled training conversations, chat-templated."""
+    records, _ = read_records(CALIBRATION_FILE, max_samples=n)
+    return [_render(tok, [next(m for m in r.messages if m["role"] == "user")], device) for r in records]
 
 
 # ----------------------------------------------------------------------------------------------- metrics
@@ -283,23 +251,31 @@ def evaluate(
 
     eos = _eos_ids(tok, model)
     first = next(iter(questions.values()))[0]
-    probe = _render(tok, [{"role": "user", "content": first.turns[0]}], device)
-    curve = measure_verify_curve(model, probe)
-    costs: dict[str, Any] = {"verify_s": {str(n): v for n, v in curve.items()},
-                             "context_tokens": int(probe.shape[1])}
+    context = int(_render(tok, [{"role": "user", "content": first.turns[0]}], device).shape[1])
+    verify = measure_verify_cost(model, context_len=context, ks=VERIFY_SIZES, repeats=3)
     k = cfg_eval.num_draft_tokens
     if k is not None and k < 1:
         raise EvalError(f"eval.num_draft_tokens must be >= 1, got {k}")
-    make_main: Callable[[], Drafter] = (
-        NgramDrafter if drafter == "ngram" else _head_drafter_factory(head, head_cfg, io, cfg_eval.tree, k or 8)
-    )
+
+    def factory(kk: int) -> Callable[[], Drafter]:
+        return NgramDrafter if drafter == "ngram" else _head_drafter_factory(head, head_cfg, io, cfg_eval.tree, kk)
+
+    # Calibration: acceptance per depth at k = 8 and the draft cost line (fixed + per token), off-benchmark.
+    cal = calibrate(model, factory(8)(), calibration_prompts(tok, device), k=8, max_new_tokens=32, eos_token_id=eos)
+    best_k, best_speedup = choose_k(cal.acceptance, verify, cal.draft_cost, k_max=8, draft_rate=cal.draft_rate)
+    costs: dict[str, Any] = {
+        "verify_s": {str(n): v for n, v in verify.seconds.items()},
+        "verify_context_tokens": verify.context_len,
+        "draft_cost": {"fixed_s": cal.draft_cost.fixed_s, "per_token_s": cal.draft_cost.per_token_s},
+        "calibration": {"prompts": str(CALIBRATION_FILE.name), "acceptance_per_position": cal.acceptance,
+                        "draft_rate": cal.draft_rate, "chosen_k": best_k, "predicted_speedup": best_speedup},
+    }
     if k is None:
-        k, pilot = choose_k(model, probe, make_main, curve, eos)
-        costs.update(pilot)
-        if drafter == "head":
-            make_main = _head_drafter_factory(head, head_cfg, io, cfg_eval.tree, k)
+        # choose_k returns 0 when plain decoding is predicted fastest; the eval still measures k = 1 then.
+        k = max(best_k, 1)
+    make_main = factory(k)
     log(f"eval: target {target_cfg.name_or_path}, drafter {main}, k {k} "
-        f"({'config' if cfg_eval.num_draft_tokens else 'chosen by the speedup model on a pilot run'}), "
+        f"({'config' if cfg_eval.num_draft_tokens else 'chosen from measured costs and calibration'}), "
         f"methods {', '.join(['plain'] + methods)}, benchmarks {', '.join(questions)}")
 
     by_temp: dict[str, dict[str, Any]] = {}
@@ -354,19 +330,16 @@ def evaluate(
     assert first_tally is not None
     all_main = first_tally.merged(main)
     all_plain = first_tally.merged("plain")
-    steps = sum(all_main.drafted_per_position)
-    draft_cost = all_main.draft_time_s / steps if steps else 0.0
     nodes = sum(all_main.nodes_per_pass) / max(len(all_main.nodes_per_pass), 1)
     is_chain = max(all_main.nodes_per_pass, default=0) <= k
     measured = {"k": k, "tau": all_main.tau, "speedup": _decode_rate(all_main) / _decode_rate(all_plain),
                 "end_to_end_speedup": all_main.tokens_per_s / all_plain.tokens_per_s,
-                "nodes": None if is_chain else nodes, "depth": None if is_chain else k}
-    rates = effective_acceptance(all_main.accepted_per_position, all_main.target_passes)
-    model_section = speedup_model(rates, draft_cost, curve,
+                # tau priced by the measured costs with zero loop overhead (eval.costs.ideal_speedup)
+                "ideal_speedup": ideal_speedup(all_main, verify, cal.draft_cost)}
+    model_section = speedup_model(all_main.acceptance_rates, all_main.draft_rate, verify, cal.draft_cost,
                                   ks=sorted(set(range(1, 9)) | {k}), measured=measured,
-                                  trees=[] if is_chain else [{"nodes": round(nodes, 1), "depth": k, "tau": all_main.tau}])
-    model_section["draft_cost_source"] = "drafter time in this run / draft steps"
-    # The curve comes from a probe before the run; these are the same costs as the run itself saw them.
+                                  tree_nodes=None if is_chain else round(nodes))
+    # T(n) comes from a probe before the run; these are the same costs as the run itself saw them.
     model_section["in_run_verify_s"] = {
         "plain_pass": all_plain.verify_time_s / max(all_plain.target_passes, 1),
         "speculative_pass": all_main.verify_time_s / max(all_main.target_passes, 1),
@@ -388,7 +361,7 @@ def evaluate(
         "drafter": main,
         "k": k,
         "k_source": "eval.num_draft_tokens" if cfg_eval.num_draft_tokens is not None
-        else "speedup model on a greedy pilot run (acceptance, draft cost) and the measured verify curve",
+        else "eval.costs.choose_k: calibration acceptance and draft cost, measured verify curve",
         "tree": cfg_eval.tree,
         "tau_definition": TAU_DEFINITION,
         "speedup_definition": "speculative tokens/s over plain tokens/s of the same target on the same turns in "

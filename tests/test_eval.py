@@ -118,24 +118,16 @@ def test_ngram_cli_on_a_question_file(tmp_path, capsys):
     )
     out = tmp_path / "ev"
     run.main(["--drafter", "ngram", "--target", "tiny-random-llama", "--bench", str(qfile), "--max-new-tokens", "6",
-              "--k", "3", "--batch-sizes", "1,2", "--sweep-new-tokens", "4", "--baselines", "", "--out", str(out)])
+              "--batch-sizes", "1,2", "--sweep-new-tokens", "4", "--baselines", "", "--out", str(out)])
     report = json.loads((out / "report.json").read_text())
     b = report["benchmarks"]["my_questions"]
-    assert report["drafter"] == "ngram" and report["k"] == 3
+    # No --k: chosen by eval.costs from the off-benchmark calibration (0 = plain is fastest -> 1 is measured).
+    assert report["drafter"] == "ngram" and report["k"] == max(report["costs"]["calibration"]["chosen_k"], 1)
+    assert report["k_source"].startswith("eval.costs.choose_k")
     assert set(b["categories"]) == {"copy", "chat"} and b["turns"] == 3
     assert b["identical"] is True and b["baselines"] == {}
     assert "| ngram | copy |" in capsys.readouterr().out
     assert (out / "config.yaml").is_file()
-
-
-def test_choose_k_and_verify_curve(tiny_target):
-    model, tok, _ = tiny_target
-    ids = torch.tensor([tok.encode("one two one two one two one two")])
-    curve = run.measure_verify_curve(model, ids, sizes=(1, 3, 9), repeats=1)
-    assert set(curve) == {1, 3, 9} and all(v > 0 for v in curve.values())
-    k, info = run.choose_k(model, ids, run.NgramDrafter, curve, eos=[], max_k=4, pilot_tokens=12)
-    assert 1 <= k <= 4
-    assert info["pilot_predicted"][str(k)] == max(info["pilot_predicted"].values())
 
 
 def test_bad_input_is_named(tmp_path, tiny_target):
@@ -170,8 +162,9 @@ def test_markdown_handles_missing_values():
         "max_new_tokens": 4, "machine": {"device": "cpu"}, "tau_definition": "d", "speedup_definition": "s",
         "benchmarks": {"b": {"by_temperature": {"0": {**rows, "plain": {"tokens_per_s": 1.0},
                                                       "categories": {"b": rows}, "baselines": {}}}}},
-        "speedup_model": {"draft_cost_s": 0.0, "c": 0.0, "verify_cost_s": {"1": 0.01}, "effective_acceptance": [0.5],
-                          "predicted": {"1": 1.2}, "predicted_tau": {"1": 1.5}, "best_k": 1},
+        "speedup_model": {"draft_cost": {"fixed_s": 0.0, "per_token_s": 0.0}, "c": 0.0, "verify_cost_s": {"1": 0.01},
+                          "acceptance_measured": [0.5], "draft_rate": 1.0, "predicted": {"1": 1.2},
+                          "predicted_tau": {"1": 1.5}, "best_k": 1},
         "batch_sweep": {"drafter": "ngram", "k": 2, "max_new_tokens": 4, "tokens_per_s": "decode", "rows": [],
                         "crossover_batch_size": None},
     }
