@@ -1,0 +1,112 @@
+"""The shared training loop: tiny end-to-end runs, exact resume after SIGTERM, data plan, schedule, CLI errors.
+
+    .venv/bin/python -m pytest -q tests/test_loop.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from data.config import load_config
+from heads.base import load_head
+from train.loop import Plan, lr_factor, main, make_plan, simulated_tau, train
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tok-cache")
+
+
+def _cfg(path, out, cache, **over):
+    flags = {"train.max_steps": 6, "train.batch_size": 2, "train.log_every": 1, "train.eval_every": 3,
+             "train.checkpoint_every": 100, "data.cache_dir": str(cache), "optim.warmup_steps": 2, **over}
+    cfg = load_config(path, [f"--{k}={v}" for k, v in flags.items()])
+    cfg.out = str(out)
+    return cfg
+
+
+def _rows(out, event):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["event"] == event]
+
+
+@pytest.mark.parametrize("config", ["configs/tiny-eagle.yaml", "configs/tiny-eagle1.yaml"])
+def test_tiny_run_leaves_a_loadable_head_and_metrics(tmp_path, cache_dir, tiny_target, config):
+    res = train(_cfg(config, tmp_path / "run", cache_dir))
+    out = tmp_path / "run"
+    assert (out / "head" / "config.json").is_file() and (out / "head" / "model.safetensors").is_file()
+    assert (out / "config.yaml").is_file() and (out / "final_params_digest.rank0.txt").is_file()
+    start, evals, end = _rows(out, "start")[0], _rows(out, "eval"), _rows(out, "end")[0]
+    assert start["world_size"] == 1 and start["global_batch_size"] == 2 and end["step"] == 6
+    assert [e["step"] for e in evals] == [0, 3, 6]
+    assert len(_rows(out, "train")) == 6 and all(r["tokens_per_s"] > 0 for r in _rows(out, "train"))
+    # a few steps already beat the untrained head on held-out top-1 (the simulated tau follows)
+    assert evals[-1]["eval/top1/0"] > evals[0]["eval/top1/0"]
+    assert evals[-1]["eval/tau_sim"] == pytest.approx(res["eval"]["tau_sim"])
+    _, cfg, meta = load_head(out / "head", tiny_target[2])
+    assert meta["extra"]["step"] == 6 and cfg.family == ("eagle1" if "eagle1" in config else "eagle3")
+
+
+def test_stop_by_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, cache_dir, capsys):
+    full = train(_cfg("configs/tiny-eagle.yaml", tmp_path / "a", cache_dir))
+
+    def preempt(step: int) -> None:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg_b = _cfg("configs/tiny-eagle.yaml", tmp_path / "b", cache_dir)
+    stopped = train(cfg_b, on_step=preempt)
+    assert stopped["stopped"] and stopped["step"] == 3
+    assert "stopped by signal; state saved to" in capsys.readouterr().out
+    assert not (tmp_path / "b" / "final_params_digest.rank0.txt").exists()
+    resumed = train(cfg_b, resume="auto")
+    assert resumed["step"] == 6 and not resumed["stopped"]
+    a = {r["step"]: r["loss"] for r in _rows(tmp_path / "a", "train")}
+    b = {r["step"]: r["loss"] for r in _rows(tmp_path / "b", "train")}
+    assert sorted(b) == sorted(a) == [1, 2, 3, 4, 5, 6]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
+    assert resumed["digest"] == full["digest"]
+
+
+def test_plan_gives_one_and_two_processes_the_same_global_batches():
+    lengths = [5 + (i * 7) % 40 for i in range(37)]
+    cfg = load_config("configs/tiny-eagle.yaml", ["--train.global_batch_size=4", "--train.batch_size=2"])
+    one, two = make_plan(cfg, lengths, 1), make_plan(cfg, lengths, 2)
+    assert (one.accum, two.accum) == (2, 1) and one.global_batch == two.global_batch == 4
+    assert one.steps_per_epoch == two.steps_per_epoch == 9  # 19 micro-batches of 2 -> 9 steps of 4
+    for step in range(2 * one.steps_per_epoch):
+        single = one.micro_batches(step, 0)
+        assert single == [two.micro_batches(step, 0)[0], two.micro_batches(step, 1)[0]]
+    epoch0 = [i for s in range(9) for b in one.micro_batches(s, 0) for i in b]
+    assert len(set(epoch0)) == len(epoch0)  # no sample twice within an epoch
+    with pytest.raises(ValueError, match="not a multiple of train.batch_size 2 x 3 processes"):
+        make_plan(cfg, lengths, 3)
+    small = Plan(lengths, 2, 1, 1, 0, 1, 1)
+    assert small.global_batch == 2
+
+
+def test_lr_schedule_and_simulated_tau():
+    assert [lr_factor(s, 2, 10, 0.1) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_factor(2, 2, 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(9, 2, 10, 0.1) == pytest.approx(0.1)
+    assert 0.1 < lr_factor(5, 2, 10, 0.1) < 1.0
+    # tau_sim = 1 + a0 + a0*a1: 1 + 0.8 + 0.4
+    assert simulated_tau([0.8, 0.5]) == pytest.approx(2.2)
+    assert simulated_tau([]) == 1.0
+
+
+def test_cli_refuses_another_family_and_a_too_large_draft_vocab(tmp_path, cache_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "configs/tiny-eagle.yaml", "--out", str(tmp_path / "x")], family="medusa")
+    assert e.value.code == 2
+    assert "head.family is 'eagle3' but this script trains medusa" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "configs/tiny-eagle.yaml", "--out", str(tmp_path / "y"), "--head.draft_vocab_size=250",
+              f"--data.cache_dir={cache_dir}"], family=("eagle1", "eagle3"))
+    assert e.value.code == 2
+    assert "head.draft_vocab_size 250 is larger than the" in capsys.readouterr().err
