@@ -307,6 +307,10 @@ def main(argv: list[str] | None = None) -> None:
     except (DataError, TargetLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("\nregenerate: interrupted; finished conversations are saved, rerun the same command to resume",
+              file=sys.stderr)
+        raise SystemExit(130) from None
     print(format_summary(summary))
 
 

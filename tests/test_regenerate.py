@@ -237,3 +237,16 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
     assert text == (tmp_path / "whole" / "regenerated.jsonl").read_text()
     ids = [json.loads(line)["id"] for line in text.splitlines()]
     assert len(ids) == len(set(ids)) == 10
+
+
+@pytest.mark.slow
+def test_smollm2_answers_bundled_gsm8k_prompts(tmp_path):
+    cfg = RunConfig()
+    cfg.target = TargetConfig(name_or_path="smollm2-135m", device="cpu")
+    cfg.out = str(tmp_path)
+    cfg.regenerate.num_prompts, cfg.regenerate.batch_size, cfg.regenerate.max_new_tokens = 4, 4, 24
+    s = rg.regenerate(cfg)
+    assert s["records"] == 4 and s["answers"] == 4 and s["generated_tokens"] > 4
+    recs, _ = read_records(s["output"], "sharegpt")
+    assert all(len(r.messages) == 2 and len(r.messages[1]["content"]) > 10 for r in recs)
+    assert "Natalia" in recs[0].messages[0]["content"]
