@@ -1,0 +1,210 @@
+"""Measured costs of speculative decoding, and the draft length (or tree size) they make worth it.
+
+Verifying is not free on a CPU (SmolLM2-135M on 2 cores: ~57 ms for 1 new token, ~230 ms for 64), so the
+decoder's k is chosen from measurements, never assumed:
+
+    T = measure_verify_cost(model, context_len=256)          # VerifyCost: T(n) seconds for n new tokens
+    acc, draft = calibrate(model, drafter, prompts, k=8)     # Calibration: acceptance per depth + DraftCost
+    k, speedup = choose_k(acc, T, draft, k_max=16)           # k = 0 means plain decoding is fastest
+
+The model (all times per target pass, one pass verifies the root plus the n draft nodes):
+    E(k)     = 1 + f * sum_{j=1..k} prod_{i<=j} a_i     expected tokens per pass (the bonus/corrected token is
+                                                         the 1); a_i = conditional acceptance at depth i,
+                                                         f = fraction of passes that draft at all (n-gram < 1)
+    time(k)  = D(k) + f * T(k+1) + (1 - f) * T(1)        D(k) = draft_fixed + f * k * draft_per_token
+    speedup  = E(k) * T(1) / time(k)                     plain decoding costs T(1) per token
+For a tree with n nodes and draft depth d the same holds with E = 1 + sum over nodes of P(node accepted),
+time = D(d) + T(n+1) (`predicted_tree_speedup`). With f = 1 and a flat T this is SCIENCE.md's
+E / (k*c + 1) with E = (1 - a^(k+1)) / (1 - a) for a constant a.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from eval.decoder import GenerationStats, speculative_generate
+from heads.base import Drafter
+
+DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class VerifyCost:
+    """T(n): median seconds of one target forward over n new tokens on a cache of `context_len` tokens."""
+
+    seconds: dict[int, float]
+    context_len: int
+
+    def __call__(self, n: int) -> float:
+        """T(n), linear between measured n (and along the last segment's slope beyond them)."""
+        if n < 1:
+            raise ValueError(f"VerifyCost: n must be >= 1, got {n}")
+        ks = sorted(self.seconds)
+        if n in self.seconds:
+            return self.seconds[n]
+        if len(ks) == 1:
+            return self.seconds[ks[0]]
+        lo, hi = (ks[0], ks[1]) if n < ks[0] else (ks[-2], ks[-1])
+        for a, b in zip(ks, ks[1:]):
+            if a < n < b:
+                lo, hi = a, b
+        slope = (self.seconds[hi] - self.seconds[lo]) / (hi - lo)
+        return max(self.seconds[lo] + slope * (n - lo), 0.0)
+
+    def ms(self) -> dict[int, float]:
+        return {k: round(v * 1000, 2) for k, v in sorted(self.seconds.items())}
+
+
+@dataclass
+class DraftCost:
+    """Drafting time per pass: fixed + per_token * (nodes drafted); includes begin/commit bookkeeping."""
+
+    fixed_s: float
+    per_token_s: float
+
+    def __call__(self, k: int) -> float:
+        return self.fixed_s + self.per_token_s * k
+
+    @staticmethod
+    def fit(points: Sequence[tuple[float, float]]) -> DraftCost:
+        """Least squares through (mean nodes per pass, draft seconds per pass) points, clamped to >= 0."""
+        if not points:
+            raise ValueError("DraftCost.fit: no points")
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0) if var > 0 else 0.0
+        return DraftCost(fixed_s=max(my - slope * mx, 0.0), per_token_s=slope)
+
+
+@torch.no_grad()
+def measure_verify_cost(
+    model: nn.Module,
+    context_len: int = 256,
+    ks: Sequence[int] = DEFAULT_KS,
+    repeats: int = 5,
+    seed: int = 0,
+) -> VerifyCost:
+    """Time the target forward of k new tokens (all logits, as the decoder verifies) on a fixed cache.
+
+    The cache holds `context_len` random tokens; each timed forward is cropped off again, so every repeat
+    sees the same context. One untimed warm-up forward per k.
+    """
+    dev = next(model.parameters()).device
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(seed)
+    cache = DynamicCache()
+    ctx = torch.randint(vocab, (1, context_len), generator=g).to(dev)
+    model(input_ids=ctx, cache=cache, use_cache=True, logits_to_keep=1)
+    out: dict[int, float] = {}
+    for k in ks:
+        ids = torch.randint(vocab, (1, k), generator=g).to(dev)
+        times = []
+        for r in range(repeats + 1):
+            t = time.perf_counter()
+            model(input_ids=ids, cache=cache, use_cache=True)
+            dt = time.perf_counter() - t
+            cache.crop(-k)
+            if r:  # the first run warms up
+                times.append(dt)
+        out[int(k)] = statistics.median(times)
+    return VerifyCost(seconds=out, context_len=context_len)
+
+
+@dataclass
+class Calibration:
+    """What a calibration run measured for one drafter."""
+
+    acceptance: list[float]  # conditional acceptance per depth
+    draft_rate: float  # fraction of passes with a draft
+    draft_cost: DraftCost
+    stats: GenerationStats
+
+
+def calibrate(
+    model: nn.Module,
+    drafter: Drafter,
+    prompts: Sequence[torch.Tensor],
+    k: int = 8,
+    max_new_tokens: int = 48,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> Calibration:
+    """Greedy runs at draft length k (acceptance per depth up to k) and at k = 1 (to fit the draft cost line).
+
+    Use prompts other than the ones being benchmarked, so k is not tuned on the test data.
+    """
+    if k < 1:
+        raise ValueError(f"calibrate: k must be >= 1, got {k}")
+    points = []
+    total: GenerationStats | None = None
+    for kk in sorted({1, k}):
+        run = GenerationStats()
+        for ids in prompts:
+            _, st = speculative_generate(model, ids, drafter, kk, max_new_tokens, eos_token_id=eos_token_id)
+            run = run.merge(st)
+        if run.target_passes:
+            points.append((run.drafted_tokens / run.target_passes, run.draft_time_s / run.target_passes))
+        if kk == k:
+            total = run
+    assert total is not None
+    return Calibration(total.acceptance_rates, total.draft_rate, DraftCost.fit(points), total)
+
+
+def expected_tokens(acceptance: Sequence[float], k: int, draft_rate: float = 1.0) -> float:
+    """E(k) = 1 + f * sum_{j=1..k} prod_{i<=j} a_i; depths past the measured ones count as rejected."""
+    total, run = 0.0, 1.0
+    for a in list(acceptance)[:k]:
+        run *= a
+        total += run
+    return 1.0 + draft_rate * total
+
+
+def predicted_speedup(
+    acceptance: Sequence[float], k: int, verify: VerifyCost, draft: DraftCost, draft_rate: float = 1.0
+) -> float:
+    """E(k) * T(1) / (D(k) + f*T(k+1) + (1-f)*T(1)), see the module docstring; k = 0 gives 1."""
+    if k == 0:
+        return 1.0
+    t = draft.fixed_s + draft_rate * k * draft.per_token_s
+    t += draft_rate * verify(k + 1) + (1.0 - draft_rate) * verify(1)
+    return expected_tokens(acceptance, k, draft_rate) * verify(1) / t
+
+
+def choose_k(
+    acceptance: Sequence[float], verify: VerifyCost, draft: DraftCost, k_max: int, draft_rate: float = 1.0
+) -> tuple[int, float]:
+    """The draft length in 0..k_max with the highest predicted speedup (0 = plain decoding), and that speedup."""
+    best = (0, 1.0)
+    for k in range(1, k_max + 1):
+        s = predicted_speedup(acceptance, k, verify, draft, draft_rate)
+        if s > best[1]:
+            best = (k, s)
+    return best
+
+
+def predicted_tree_speedup(node_accept_probs: Sequence[float], depth: int, verify: VerifyCost, draft: DraftCost) -> float:
+    """Speedup of a tree: E = 1 + sum of P(node accepted), time = D(depth) + T(nodes + 1)."""
+    n = len(node_accept_probs)
+    if n == 0:
+        return 1.0
+    e = 1.0 + sum(node_accept_probs)
+    return e * verify(1) / (draft(depth) + verify(n + 1))
+
+
+def ideal_speedup(stats: GenerationStats, verify: VerifyCost, draft: DraftCost) -> float:
+    """The speedup a run would have with zero loop overhead: its measured tau, passes priced by T and D.
+
+    ideal = tau * T(1) / mean over passes of (D(n_pass) + T(n_pass + 1)); the decoder's measured decode
+    speedup divided by this is its overhead ratio (1 = no time lost outside drafting and the forwards).
+    """
+    if not stats.nodes_per_pass:
+        return 1.0
+    per_pass = statistics.fmean(draft(n) + verify(n + 1) for n in stats.nodes_per_pass)
+    return stats.tau * verify(1) / per_pass

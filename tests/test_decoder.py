@@ -1,0 +1,489 @@
+"""The speculative decoder on tiny fp32 models: greedy outputs identical to model.generate for chains and trees
+and every drafter, oracle/adversarial drafters, KV rollback, features handed to drafters, tree utilities, costs.
+
+    .venv/bin/python -m pytest -q tests/test_decoder.py
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from data.config import TargetConfig
+from data.features import FeatureCapture
+from data.target import load_model
+from eval.costs import (
+    DraftCost,
+    VerifyCost,
+    calibrate,
+    choose_k,
+    expected_tokens,
+    ideal_speedup,
+    measure_verify_cost,
+    predicted_speedup,
+)
+from eval.decoder import (
+    plain_generate,
+    rollback_cache,
+    speculative_generate,
+    target_distribution,
+    verify_tree,
+)
+from eval.drafters import ModelDrafter, NgramDrafter, layer_prefix_model, self_speculative_drafter
+from heads.base import DraftTree, Features
+from heads.tree import DEFAULT_CHOICES, StaticTree, is_chain, tree_depth, tree_layout
+
+MAX_NEW = 40
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine two threads per process stall."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return tiny_target[0]
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_target):
+    tok = tiny_target[1]
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return"}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    return torch.tensor([tok.encode(text)])
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompt):
+    """model.generate's greedy continuation (transformers' own loop, the ground truth)."""
+    out = target.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW)
+    return out[0, prompt.shape[1]:]
+
+
+class _Tracker:
+    """Base of the test drafters: tracks how many tokens are committed, so it can look up the reference."""
+
+    capture_layers = None
+
+    def __init__(self, reference: torch.Tensor, seed: int = 0, vocab: int = 259):
+        self.ref = reference.tolist()
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+        self.n = 0  # committed new tokens, root included
+        self.tree: DraftTree | None = None
+
+    def truth(self, depth: int) -> int:
+        """The reference token `depth` steps below the root (the root is new token n-1)."""
+        i = self.n - 1 + depth
+        return self.ref[i] if i < len(self.ref) else 0
+
+    def begin(self, prompt_ids, features, next_token):
+        assert next_token == self.ref[0]
+        self.n = 1
+
+    def commit(self, accepted, features, next_token):
+        toks = self.tree.tokens.tolist()
+        got = [toks[a] for a in accepted] + [next_token]
+        assert got == self.ref[self.n:self.n + len(got)]
+        self.n += len(got)
+
+
+class OracleDrafter(_Tracker):
+    """Always right (right=True) or always wrong chains."""
+
+    def __init__(self, reference, right: bool):
+        super().__init__(reference)
+        self.right = right
+
+    def draft(self, k, temperature):
+        toks = [self.truth(d) if self.right else (self.truth(d) + 1) % self.vocab for d in range(1, k + 1)]
+        self.tree = DraftTree.chain(torch.tensor(toks))
+        return self.tree
+
+
+class AdversarialDrafter(_Tracker):
+    """Random tokens, with a reference token now and then so some passes accept a few."""
+
+    def draft(self, k, temperature):
+        toks = [self.truth(d) if self.rng.random() < 0.3 else self.rng.randrange(self.vocab) for d in range(1, k + 1)]
+        self.tree = DraftTree.chain(torch.tensor(toks))
+        return self.tree
+
+
+class StaticTreeDrafter(_Tracker):
+    """A static Medusa-style tree whose per-depth candidates hold the reference token at a random rank."""
+
+    def __init__(self, reference, seed: int = 0, choices=DEFAULT_CHOICES):
+        super().__init__(reference, seed)
+        self.shape = StaticTree(choices)
+
+    def draft(self, k, temperature):
+        shape = self.shape if k >= self.shape.depth else self.shape.truncate(k)
+        cands = []
+        for d in range(1, shape.depth + 1):
+            row = self.rng.sample(range(self.vocab), shape.topk)
+            if self.rng.random() < 0.8:
+                row[self.rng.randrange(shape.topk)] = self.truth(d)
+            cands.append(row)
+        self.tree = shape.build(torch.tensor(cands))
+        return self.tree
+
+
+class RandomTreeDrafter(_Tracker):
+    """Random tree shapes (like EAGLE-2 dynamic trees); each node is the reference token with probability 1/2.
+
+    With capture_layers set it also records the features it is handed, to check them against a full pass.
+    """
+
+    def __init__(self, reference, seed: int = 0, capture_layers=None, vocab: int = 259):
+        super().__init__(reference, seed, vocab)
+        self.capture_layers = capture_layers
+        self.received: list[Features] = []
+
+    def begin(self, prompt_ids, features, next_token):
+        super().begin(prompt_ids, features, next_token)
+        if self.capture_layers is not None:
+            assert features.last.shape[1] == prompt_ids.shape[1]
+            self.received.append(features)
+
+    def draft(self, k, temperature):
+        n = self.rng.randrange(0, 3 * k + 1)
+        parents, depths, toks = [], [], []
+        for i in range(n):
+            p = self.rng.randrange(-1, i)
+            d = 1 if p < 0 else depths[p] + 1
+            if d > k:
+                p, d = -1, 1
+            parents.append(p)
+            depths.append(d)
+            toks.append(self.truth(d) if self.rng.random() < 0.5 else self.rng.randrange(self.vocab))
+        self.tree = DraftTree(torch.tensor(toks, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+        return self.tree
+
+    def commit(self, accepted, features, next_token):
+        if self.capture_layers is not None:
+            assert features.last.shape[1] == len(accepted) + 1
+            self.received.append(features)
+        super().commit(accepted, features, next_token)
+
+
+# ----------------------------------------------------------------------------------------------- greedy identity
+def _check_identical(target, prompt, reference, drafter, k, eos=None):
+    out, stats = speculative_generate(target, prompt, drafter, k, MAX_NEW, eos_token_id=eos)
+    assert out.tolist() == reference.tolist()
+    assert stats.new_tokens == len(reference)
+    return stats
+
+
+@pytest.fixture(scope="module")
+def other():
+    """A second random model with the same byte tokenizer: a separate draft model."""
+    return load_model(TargetConfig(name_or_path="tiny-random-qwen2", device="cpu"))
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_identical_every_drafter_chains(target, other, prompt, reference, k):
+    eos = target.generation_config.eos_token_id
+    drafters = [
+        NgramDrafter(),
+        NgramDrafter(n_max=1),
+        ModelDrafter(other),
+        ModelDrafter(target),
+        self_speculative_drafter(target, 2),
+        AdversarialDrafter(reference, seed=k),
+    ]
+    for d in drafters:
+        _check_identical(target, prompt, reference, d, k, eos)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_identical_static_and_random_trees(target, prompt, reference, seed):
+    for k in (2, 5):
+        st = _check_identical(target, prompt, reference, StaticTreeDrafter(reference, seed), k)
+        assert st.tau > 1.2  # the reference sits in the tree often enough to be accepted
+        st = _check_identical(target, prompt, reference, RandomTreeDrafter(reference, seed), k)
+        assert st.accepted_tokens > 0
+
+
+def test_oracle_gives_k_plus_one_and_wrong_gives_one(target, prompt, reference):
+    k = 4
+    # max_new 1 + 7*(k+1): the prefill token, then exactly 7 full passes.
+    n = 1 + 7 * (k + 1)
+    ref = target.generate(prompt, do_sample=False, max_new_tokens=n)[0, prompt.shape[1]:]
+    assert len(ref) == n
+    out, st = speculative_generate(target, prompt, OracleDrafter(ref, right=True), k, n)
+    assert out.tolist() == ref.tolist() and st.tau == k + 1 and st.target_passes == 7
+    assert st.acceptance_rates == [1.0] * k
+    out, st = speculative_generate(target, prompt, OracleDrafter(ref, right=False), k, n)
+    assert out.tolist() == ref.tolist() and st.tau == 1.0 and st.target_passes == n - 1
+    # The last pass has one token left to make, so it drafts nothing.
+    assert st.acceptance_rates == [0.0] * k and st.judged_per_position == [n - 2] + [0] * (k - 1)
+    # The target drafting for itself is an oracle through the real draft-model cache bookkeeping.
+    out, st = speculative_generate(target, prompt, ModelDrafter(target), k, n)
+    assert out.tolist() == ref.tolist() and st.tau == k + 1
+
+
+def test_eos_and_max_new_tokens_match_plain(target, prompt, reference):
+    eos = reference[5].item()  # pretend the 6th token is an end token
+    cut = reference.tolist().index(eos) + 1
+    for drafter in (NgramDrafter(), StaticTreeDrafter(reference)):
+        out, _ = speculative_generate(target, prompt, drafter, 5, MAX_NEW, eos_token_id=[eos, 10**6])
+        assert out.tolist() == reference[:cut].tolist()
+    plain, _ = plain_generate(target, prompt, MAX_NEW, eos_token_id=eos)
+    assert plain.tolist() == reference[:cut].tolist()
+    for m in (1, 2, 7):
+        out, _ = speculative_generate(target, prompt, OracleDrafter(reference, right=True), 5, m)
+        assert out.tolist() == reference[:m].tolist()
+
+
+def test_plain_generate_matches_hf(target, prompt, reference):
+    out, st = plain_generate(target, prompt, MAX_NEW)
+    assert out.tolist() == reference.tolist() and st.tau == 1.0 and st.target_passes == MAX_NEW - 1
+
+
+def test_gemma3_sliding_window_trees(prompt):
+    """Past the tiny Gemma-3's sliding window (64) the tree mask must apply the window too."""
+    model = load_model(TargetConfig(name_or_path="tiny-random-gemma3", device="cpu"))
+    n = 60  # prompt ~40 + 60 > 64
+    ref = model.generate(prompt, do_sample=False, max_new_tokens=n)[0, prompt.shape[1]:]
+    assert prompt.shape[1] + len(ref) > model.config.sliding_window + 8
+    for drafter in (RandomTreeDrafter(ref, 0), NgramDrafter()):
+        out, _ = speculative_generate(model, prompt, drafter, 4, n)
+        assert out.tolist() == ref.tolist()
+
+
+# ----------------------------------------------------------------------------------------------- features, caches
+def test_drafter_receives_features_of_committed_positions(target, prompt, reference):
+    layers = (1, 3)
+    drafter = RandomTreeDrafter(reference, seed=3, capture_layers=layers)
+    out, _ = speculative_generate(target, prompt, drafter, 4, MAX_NEW)
+    seq = torch.cat([prompt[0], out])[None]
+    with FeatureCapture(target, layers) as cap:
+        target(input_ids=seq, use_cache=False)
+    full = cap.features()
+    last = torch.cat([f.last for f in drafter.received], dim=1)
+    aux = torch.cat([f.aux for f in drafter.received], dim=1)
+    n = last.shape[1]  # the final pass commits nothing, so its tokens are missing at the end
+    assert prompt.shape[1] < n < seq.shape[1]
+    torch.testing.assert_close(last, full.last[:, :n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(aux, full.aux[:, :n], atol=1e-4, rtol=1e-4)
+
+
+def test_rollback_gathers_accepted_tree_nodes(target, prompt):
+    """After a tree pass accepting nodes 1 and 3 (not a prefix), the cache equals a sequential pass's."""
+    root, toks = 65, [70, 71, 72, 73, 74]
+    parents = [-1, -1, 1, 2, 0]  # root -> 70, root -> 71 -> 72 -> 73, 70 -> 74
+    anc, depths = tree_layout(parents)
+    cache = DynamicCache()
+    target(input_ids=prompt, cache=cache, use_cache=True)
+    past = cache.get_seq_length()
+    allowed = torch.ones(6, past + 6, dtype=torch.bool)
+    allowed[:, past:] = anc
+    mask = torch.zeros(1, 1, 6, past + 6).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    pos = past + torch.tensor([[0] + depths.tolist()])
+    target(input_ids=torch.tensor([[root] + toks]), cache=cache, use_cache=True, attention_mask=mask, position_ids=pos)
+    rollback_cache(cache, past + 1, len(toks), [1, 2, 3])
+    ref = DynamicCache()
+    target(input_ids=torch.cat([prompt, torch.tensor([[root, 71, 72, 73]])], dim=1), cache=ref, use_cache=True)
+    assert cache.get_seq_length() == ref.get_seq_length() == past + 4
+    for a, b in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+    # A prefix keep is a plain crop.
+    rollback_cache(cache, past, 4, [0, 1])
+    assert cache.get_seq_length() == past + 2
+    torch.testing.assert_close(cache.layers[0].keys, ref.layers[0].keys[:, :, : past + 2])
+
+
+def test_dynamic_cache_crop_takes_negative_counts():
+    """The installed transformers crops by a negative count (a positive length raises)."""
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2), 0)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 3
+    with pytest.raises(ValueError):
+        cache.crop(2)
+
+
+class _CacheProbe(ModelDrafter):
+    """Checks the draft model's cache invariant after every commit: cache + pending = committed tokens."""
+
+    def begin(self, prompt_ids, features, next_token):
+        super().begin(prompt_ids, features, next_token)
+        self.committed = prompt_ids.shape[1] + 1
+
+    def commit(self, accepted, features, next_token):
+        super().commit(accepted, features, next_token)
+        self.committed += len(accepted) + 1
+        assert self.cache.get_seq_length() + len(self.pending) == self.committed
+
+
+def test_model_drafter_cache_rollback(target, prompt, reference):
+    for draft_model in (target, layer_prefix_model(target, 1)):
+        for k in (1, 3):
+            _check_identical(target, prompt, reference, _CacheProbe(draft_model), k)
+
+
+def test_layer_prefix_model_shares_weights_and_leaves_target_alone(target, prompt):
+    short = layer_prefix_model(target, 2)
+    assert target.config.num_hidden_layers == 4 and short.config.num_hidden_layers == 2
+    assert short.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    assert len(list(target.model.layers)) == 4
+    with FeatureCapture(target, [2]) as cap:
+        target(input_ids=prompt, use_cache=False)
+    feats = cap.features()
+    want = target.lm_head(target.model.norm(feats.aux))  # input of layer 2 = output of the first 2 layers
+    torch.testing.assert_close(short(input_ids=prompt).logits, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="num_layers"):
+        layer_prefix_model(target, 5)
+
+
+def test_ngram_drafter_lookup():
+    d = NgramDrafter(n_max=2, n_min=1)
+    d.begin(torch.tensor([[1, 2, 3, 4, 1]]), None, 2)  # context [1 2 3 4 1 2]: (1 2) continues with 3 4 1
+    assert d.draft(3, 0.0).tokens.tolist() == [3, 4, 1]
+    d.commit([0], None, 9)  # context [... 1 2 3 9]
+    assert d.draft(2, 0.0).tokens.tolist() == []  # (3 9) and (9) never occurred before
+    d.commit([], None, 3)  # [... 3 9 3]: (9 3) unseen; (3) last continued with 9
+    assert d.draft(2, 0.0).tokens.tolist() == [9, 3]
+    with pytest.raises(ValueError):
+        NgramDrafter(n_max=1, n_min=2)
+
+
+# ----------------------------------------------------------------------------------------------- verification rule
+def test_verify_tree_greedy_rules():
+    rows = torch.nn.functional.one_hot(torch.tensor([5, 7, 2, 4]), 10).float()
+    assert verify_tree(DraftTree.chain(torch.tensor([5, 7, 9])), rows, 0.0) == ([0, 1], 2)
+    # root -> 3 | root -> 5 -> 7 ; rows: root says 5, node 1 (token 5) says 7, node 2 says 1
+    tree = DraftTree(torch.tensor([3, 5, 7]), torch.tensor([-1, -1, 1]))
+    rows = torch.nn.functional.one_hot(torch.tensor([5, 0, 7, 1]), 10).float()
+    assert verify_tree(tree, rows, 0.0) == ([1, 2], 1)
+    assert verify_tree(DraftTree.chain(torch.empty(0, dtype=torch.long)), rows[:1], 0.0) == ([], 5)
+
+
+def test_verify_tree_sampling_edge_cases():
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.0, 1.0, 0.0])
+    # A token the target gives probability 0 is always rejected; the replacement follows p.
+    for tree in (DraftTree.chain(torch.tensor([0])), DraftTree.chain(torch.tensor([0]), torch.tensor([[1.0, 0, 0]]))):
+        assert verify_tree(tree, torch.stack([p, p]), 1.0, g) == ([], 1)
+    # q = p: always accepted, then the bonus token from the node's row.
+    q = torch.tensor([[0.5, 0.5, 0.0]])
+    for _ in range(20):
+        acc, nxt = verify_tree(DraftTree.chain(torch.tensor([1]), q), torch.stack([q[0], p]), 1.0, g)
+        assert acc == [0] and nxt == 1
+    with pytest.raises(ValueError, match="sampling"):
+        verify_tree(DraftTree(torch.tensor([1]), torch.tensor([-1]), q, sampling="beam"), torch.stack([p, p]), 1.0, g)
+
+
+def test_target_distribution_matches_transformers_warpers():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    for t, k, p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 10, 0.6), (1.0, 1, 1.0)]:
+        x = TemperatureLogitsWarper(t)(None, logits.clone())
+        if k:
+            x = TopKLogitsWarper(k)(None, x)
+        if p < 1:
+            x = TopPLogitsWarper(p)(None, x)
+        torch.testing.assert_close(target_distribution(logits, t, k, p), torch.softmax(x, -1))
+    with pytest.raises(ValueError):
+        target_distribution(logits, 0.0)
+
+
+def test_bad_inputs_raise(target, prompt, reference):
+    class BadParents(_Tracker):
+        def draft(self, k, temperature):
+            self.tree = DraftTree(torch.tensor([1, 2]), torch.tensor([1, -1]))
+            return self.tree
+
+    with pytest.raises(ValueError, match="parent"):
+        speculative_generate(target, prompt, BadParents(reference), 2, 5)
+    with pytest.raises(ValueError, match="batch 1"):
+        speculative_generate(target, prompt.repeat(2, 1), NgramDrafter(), 2, 5)
+    with pytest.raises(ValueError, match="k must be"):
+        speculative_generate(target, prompt, NgramDrafter(), -1, 5)
+
+
+# ----------------------------------------------------------------------------------------------- trees
+def test_tree_layout_and_static_tree():
+    anc, depths = tree_layout([-1, 0, -1])
+    assert depths.tolist() == [1, 2, 1]
+    assert anc.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
+    assert is_chain(torch.tensor([-1, 0, 1])) and not is_chain(torch.tensor([-1, -1]))
+    assert tree_depth(torch.tensor([-1, -1, 1, 2])) == 3
+    st = StaticTree([[1], [0], [0, 0], [1, 0]])  # order is normalised: [0], [1], [0, 0], [1, 0]
+    assert st.parents.tolist() == [-1, -1, 0, 1] and st.depth == 2 and st.topk == 2
+    cands = torch.tensor([[10, 11], [20, 21]])
+    tree = st.build(cands, torch.eye(30)[:2])
+    assert tree.tokens.tolist() == [10, 11, 20, 20] and tree.sampling == "topk"
+    assert tree.probs.shape == (4, 30) and tree.probs[2, 1] == 1
+    assert len(StaticTree(DEFAULT_CHOICES).truncate(2)) == 7
+    for bad in ([], [[0, 1]], [[0], [0]], [[-1]]):
+        with pytest.raises(ValueError, match="StaticTree"):
+            StaticTree(bad)
+    with pytest.raises(ValueError, match="candidates"):
+        st.build(torch.tensor([[1, 2]]))
+
+
+# ----------------------------------------------------------------------------------------------- costs
+def test_cost_model_formulas():
+    flat = VerifyCost({1: 1.0, 64: 1.0}, context_len=0)
+    a = 0.6
+    for k in (1, 3, 8):
+        assert expected_tokens([a] * k, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+    # SCIENCE.md: c = 0.2, alpha = 0.5, k = 8 is a loss (0.77x).
+    assert predicted_speedup([0.5] * 8, 8, flat, DraftCost(0.0, 0.2)) == pytest.approx(0.768, abs=1e-3)
+    k, s = choose_k([0.5] * 16, flat, DraftCost(0.0, 0.2), 16)
+    assert 1 <= k <= 3 and s > 1
+    assert choose_k([0.5] * 8, flat, DraftCost(0.0, 2.0), 8) == (0, 1.0)
+    steep = VerifyCost({1: 1.0, 2: 2.0, 4: 4.0}, context_len=0)  # verify cost linear in tokens: never worth it
+    assert choose_k([0.9] * 8, steep, DraftCost(0.0, 0.0), 8)[0] == 0
+    assert steep(3) == 3.0 and steep(8) == 8.0 and flat(10) == 1.0
+    assert DraftCost.fit([(1, 2.0), (3, 4.0)]) == DraftCost(1.0, 1.0)
+    # An n-gram drafter that drafts in half the passes earns half the extra tokens.
+    assert expected_tokens([1.0, 1.0], 2, draft_rate=0.5) == 2.0
+
+
+def test_measured_costs_on_tiny_model(target, prompt, reference):
+    vc = measure_verify_cost(target, context_len=32, ks=(1, 4), repeats=2)
+    assert set(vc.seconds) == {1, 4} and all(v > 0 for v in vc.seconds.values())
+    cal = calibrate(target, NgramDrafter(), [prompt], k=4, max_new_tokens=24)
+    assert len(cal.acceptance) <= 4 and 0 < cal.draft_rate <= 1 and cal.draft_cost.fixed_s >= 0
+    _, st = speculative_generate(target, prompt, OracleDrafter(reference, right=True), 3, MAX_NEW)
+    # Free drafting and a flat verify: the ideal speedup is tau itself.
+    assert ideal_speedup(st, VerifyCost({1: 1.0}, 0), DraftCost(0.0, 0.0)) == pytest.approx(st.tau)
+
+
+def test_stats_merge_and_dict(target, prompt, reference):
+    _, a = speculative_generate(target, prompt, NgramDrafter(), 3, MAX_NEW)
+    _, b = speculative_generate(target, prompt, StaticTreeDrafter(reference), 3, MAX_NEW)
+    m = a.merge(b)
+    assert m.new_tokens == a.new_tokens + b.new_tokens and m.generations == 2
+    assert m.target_passes == len(m.nodes_per_pass) == a.target_passes + b.target_passes
+    assert m.accepted_per_position[0] == a.accepted_per_position[0] + b.accepted_per_position[0]
+    d = m.to_dict()
+    assert d["tau"] == pytest.approx(m.tau) and "nodes_per_pass" not in d
+
+
+def test_in_process_llama_config_runs():
+    """A second in-process config (2 layers, hidden 32) to be sure nothing hard-codes the fixture's sizes."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(97, (1, 12))
+    ref = model.generate(ids, do_sample=False, max_new_tokens=30, pad_token_id=0)[0, 12:]
+    out, _ = speculative_generate(model, ids, RandomTreeDrafter(ref, 5, vocab=97), 3, 30)
+    assert out.tolist() == ref.tolist()
