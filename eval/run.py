@@ -19,6 +19,11 @@ EAGLE's tau); tokens/s and speedup are end to end per turn (prefill included); d
 prefill out and is what the speedup model predicts. Outputs in --out: report.json, report.md, *.png,
 config.yaml (see eval/report.py). The batch-size sweep (eval/batch.py) runs once at the end.
 
+Without a GPU the CLI runs torch on ONE thread unless --threads says otherwise: batch-1 decoding is
+overhead-bound, and on a 2-core machine shared with other jobs two threads stall each other (the tiny
+target's single-token pass measured 3-360 ms with 2 threads under load, 3-16 ms with 1), which would
+drown the plain-vs-speculative comparison in noise. The thread count is recorded in report.json.
+
 From Python (train/*.py with train.eval_at_end): `evaluate(head_dir, cfg.eval, out_dir, cfg.target)`.
 """
 
@@ -407,8 +412,8 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, help="draft length (default: chosen from measured costs)")
     p.add_argument("--batch-sizes", type=_ints, help="batch sizes of the sweep, e.g. 1,2,4,8,16")
     p.add_argument("--sweep-new-tokens", type=int, default=32, help="tokens per row in the batch sweep")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is steadier on a "
-                   "machine shared with other jobs)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default without a GPU: 1, see the module doc; "
+                   "0 = torch's own choice)")
     p.add_argument("--baselines", default=",".join(BASELINES),
                    help=f"comma-separated subset of {','.join(BASELINES)} (empty for none)")
 
@@ -438,8 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(cfg.out if (args.out or args.config) else "runs/eval")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    threads = args.threads if args.threads is not None else (0 if torch.cuda.is_available() else 1)
+    if threads > 0:
+        torch.set_num_threads(threads)
     try:
         from transformers.utils import logging as hf_logging
 
