@@ -125,8 +125,8 @@ class AdversarialDrafter(_Tracker):
 class StaticTreeDrafter(_Tracker):
     """A static Medusa-style tree whose per-depth candidates hold the reference token at a random rank."""
 
-    def __init__(self, reference, seed: int = 0, choices=DEFAULT_CHOICES):
-        super().__init__(reference, seed)
+    def __init__(self, reference, seed: int = 0, choices=DEFAULT_CHOICES, vocab: int = 259):
+        super().__init__(reference, seed, vocab)
         self.shape = StaticTree(choices)
 
     def draft(self, k, temperature):
@@ -477,13 +477,21 @@ def test_stats_merge_and_dict(target, prompt, reference):
     assert d["tau"] == pytest.approx(m.tau) and "nodes_per_pass" not in d
 
 
-def test_in_process_llama_config_runs():
-    """A second in-process config (2 layers, hidden 32) to be sure nothing hard-codes the fixture's sizes."""
+@pytest.fixture(scope="module")
+def sharp_model():
+    """A second in-process config (2 layers, hidden 32, vocab 97) with a large init, so attention (and with it
+    every cache slot) really changes the prediction: the fixture model is almost a bigram model."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1)
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(97, (1, 12))
-    ref = model.generate(ids, do_sample=False, max_new_tokens=30, pad_token_id=0)[0, 12:]
-    out, _ = speculative_generate(model, ids, RandomTreeDrafter(ref, 5, vocab=97), 3, 30)
-    assert out.tolist() == ref.tolist()
+                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.5)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_context_sensitive_model_trees_and_chains(sharp_model, seed):
+    ids = torch.randint(97, (1, 12), generator=torch.Generator().manual_seed(seed))
+    ref = sharp_model.generate(ids, do_sample=False, max_new_tokens=30, pad_token_id=0)[0, 12:]
+    for drafter in (RandomTreeDrafter(ref, seed, vocab=97), StaticTreeDrafter(ref, seed, vocab=97),
+                    ModelDrafter(layer_prefix_model(sharp_model, 1)), NgramDrafter()):
+        out, _ = speculative_generate(sharp_model, ids, drafter, 3, 30)
+        assert out.tolist() == ref.tolist()
