@@ -250,7 +250,7 @@ def evaluate(
     head = head_cfg = None
     if head_dir is not None:
         head, head_cfg, head_meta = load_head(head_dir, io)  # refuses another target's head, naming why
-        head.to(device)
+        head.to(device=device, dtype=next(model.parameters()).dtype)  # the drafter reads the target's features
     main = drafter if drafter == "ngram" else (head_cfg.family if head_cfg is not None else "head")
     methods = [main] + [b for b in baselines if b != main]
 

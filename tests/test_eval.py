@@ -170,3 +170,15 @@ def test_markdown_handles_missing_values():
     }
     md = markdown(report)
     assert "0.50 / -" in md and "none in this range" in md
+
+
+@pytest.mark.slow
+def test_smollm2_ngram_eval(tmp_path):
+    """The real SmolLM2-135M target: the report keys the quickstart relies on, greedy identity (float32)."""
+    report = run.evaluate(None, _cfg(bench=["humaneval"], max_new_tokens=24, num_draft_tokens=3, batch_sizes=[1, 2]),
+                          tmp_path, TargetConfig(name_or_path="smollm2-135m", device="cpu"), drafter="ngram",
+                          sweep_new_tokens=8, log=lambda s: None)
+    b = report["benchmarks"]["humaneval"]
+    assert b["identical"] is True and b["tau"] >= 1.0 and b["speedup"] > 0
+    assert report["speedup_model"]["measured"]["k"] == 3
+    assert all(r["identical"] for r in report["batch_sweep"]["rows"])
