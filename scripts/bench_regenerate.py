@@ -60,8 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); 1 is steadier "
+                    "on a machine shared with other jobs, where idle threads spin-wait")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     tcfg = TargetConfig(name_or_path=args.target, device=args.device)
     model, tok = load_model(tcfg), load_tokenizer(tcfg)
