@@ -23,6 +23,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from data.target import text_config
+from eval.decoder import sample_token
 from heads.base import DraftTree, Features
 
 __all__ = ["ModelDrafter", "NgramDrafter", "layer_prefix_model", "self_speculative_drafter"]
@@ -135,7 +136,7 @@ class ModelDrafter:
                 tok = int(logits.argmax())
             else:
                 q = torch.softmax(logits.float() / temperature, dim=-1)
-                tok = int(torch.multinomial(q, 1, generator=self.generator))
+                tok = sample_token(q, self.generator)
                 probs.append(q)
             self._draft.append(tok)
             if step < k - 1:

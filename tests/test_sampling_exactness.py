@@ -1,0 +1,268 @@
+"""Speculative sampling is exact: its samples follow the target's distribution as closely as plain sampling does.
+
+Setup (SCIENCE.md, "How to test exactness"): a 4-token language, sequences of length 4 (256 outcomes with exactly
+computable probabilities), a random bigram target p and a draft q = target blended with noise. N sequences are
+drawn through the production acceptance rule `eval.decoder.verify_tree` (chains, i.i.d. trees, deterministic
+top-k trees) and compared with the exact distribution by total variation and a chi-square test (cells with
+expected count < 5 pooled), at fixed seeds and N; plain target sampling at the same N is the yardstick.
+The "resample from plain p after a rejection" variant (swapped in by monkeypatching the rejection update)
+must fail the same test. A smaller-N check runs the real decoder loop on an in-process vocab-4 Llama with
+temperature and top-k applied to the target.
+
+    .venv/bin/python -m pytest -q tests/test_sampling_exactness.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import eval.decoder as decoder
+from eval.decoder import speculative_generate, target_distribution, verify_tree
+from heads.base import DraftTree
+
+V, L, N = 4, 4, 6_000
+START = 0  # the token before the first sampled one
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine two threads per process stall."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+def chi_square_pvalue(counts: Counter, probs: dict[tuple, float], n: int) -> float:
+    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one cell."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0.0, 0.0, 0
+    for cell, p in probs.items():
+        e, o = p * n, counts.get(cell, 0)
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+        else:
+            stat += (o - e) ** 2 / e
+            cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    df = cells - 1
+    # Survival function of chi-square(df) = regularised upper incomplete gamma Q(df/2, stat/2).
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def total_variation(counts: Counter, probs: dict[tuple, float], n: int) -> float:
+    return 0.5 * sum(abs(counts.get(c, 0) / n - p) for c, p in probs.items())
+
+
+# ----------------------------------------------------------------------------------------------- toy language
+def _bigrams(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(V, V, generator=g, dtype=torch.float64) * 1.5, dim=-1)
+    noise = torch.softmax(torch.randn(V, V, generator=g, dtype=torch.float64) * 1.5, dim=-1)
+    return p.float(), (0.5 * p + 0.5 * noise).float()
+
+
+def exact_distribution(p: torch.Tensor) -> dict[tuple, float]:
+    out = {}
+    for seq in itertools.product(range(V), repeat=L):
+        prob, prev = 1.0, START
+        for t in seq:
+            prob *= float(p[prev, t])
+            prev = t
+        out[seq] = prob
+    return out
+
+
+def plain_counts(p: torch.Tensor, n: int, seed: int) -> Counter:
+    """Plain target sampling, vectorised over the n sequences."""
+    g = torch.Generator().manual_seed(seed)
+    prev = torch.full((n,), START)
+    cols = []
+    for _ in range(L):
+        prev = torch.multinomial(p[prev], 1, generator=g)[:, 0]
+        cols.append(prev)
+    return Counter(map(tuple, torch.stack(cols, 1).tolist()))
+
+
+def _draw(rng: random.Random, row: list[float]) -> int:
+    return rng.choices(range(V), weights=row)[0]
+
+
+def _draft_tokens(mode: str, prev: int, q: torch.Tensor, qlist: list[list[float]], rng: random.Random) -> tuple:
+    """Depth-2 drafts below the root `prev` as (tokens, parents):
+    chain        x1 ~ q(.|prev), x2 ~ q(.|x1)                         (probs given, i.i.d.)
+    greedy_chain the two argmax steps of q                             (probs None: deterministic)
+    iid_tree     two i.i.d. children of the root, one i.i.d. child each  (SpecInfer)
+    topk_tree    the top-2 children of the root, the top-1 child of each (EAGLE)
+    """
+    if mode == "chain":
+        a = _draw(rng, qlist[prev])
+        return (a, _draw(rng, qlist[a])), (-1, 0)
+    if mode == "greedy_chain":
+        a = int(q[prev].argmax())
+        return (a, int(q[a].argmax())), (-1, 0)
+    if mode == "iid_tree":
+        a, b = _draw(rng, qlist[prev]), _draw(rng, qlist[prev])
+        return (a, b, _draw(rng, qlist[a]), _draw(rng, qlist[b])), (-1, -1, 0, 1)
+    if mode == "topk_tree":
+        a, b = torch.topk(q[prev], 2).indices.tolist()
+        return (a, b, int(q[a].argmax()), int(q[b].argmax())), (-1, -1, 0, 1)
+    raise ValueError(mode)
+
+
+_TREES: dict[tuple, DraftTree] = {}
+
+
+def draft_tree(mode: str, prev: int, q: torch.Tensor, qlist: list[list[float]], rng: random.Random) -> DraftTree:
+    """The DraftTree of `_draft_tokens`, memoised (a 4-token language has few distinct drafts).
+
+    Node probs are q at each node's parent; greedy_chain gives none (deterministic drafts).
+    """
+    toks, parents = _draft_tokens(mode, prev, q, qlist, rng)
+    key = (mode, prev, toks, id(q))
+    if key not in _TREES:
+        at = [prev if par < 0 else toks[par] for par in parents]  # the token each node was drafted after
+        probs = None if mode == "greedy_chain" else q[at]
+        sampling = "topk" if mode == "topk_tree" else "iid"
+        _TREES[key] = DraftTree(torch.tensor(toks), torch.tensor(parents), probs, sampling)
+    return _TREES[key]
+
+
+def speculative_counts(mode: str, p: torch.Tensor, q: torch.Tensor, n: int, seed: int) -> tuple[Counter, float]:
+    """n sequences of length L through verify_tree; also returns tau (tokens per verification)."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    qlist = q.tolist()
+    rows_at: dict[tuple, torch.Tensor] = {}
+    counts: Counter = Counter()
+    passes = tokens = 0
+    for _ in range(n):
+        seq: list[int] = []
+        prev = START
+        while len(seq) < L:
+            tree = draft_tree(mode, prev, q, qlist, rng)
+            toks = tree.tokens.tolist()
+            key = (prev, *toks)
+            if key not in rows_at:
+                rows_at[key] = p[list(key)]  # bigram: row 0 at the root, row i+1 at node i
+            accepted, nxt = verify_tree(tree, rows_at[key], 1.0, g)
+            new = [toks[a] for a in accepted] + [nxt]
+            seq += new
+            prev = seq[-1]
+            passes, tokens = passes + 1, tokens + len(new)
+        counts[tuple(seq[:L])] += 1
+    return counts, tokens / passes
+
+
+def _resample_from_p(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """The classic bug: after a rejection, sample the replacement from the unchanged target p."""
+    return p
+
+
+MODES = ["chain", "greedy_chain", "iid_tree", "topk_tree"]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    p, q = _bigrams(seed=7)
+    exact = exact_distribution(p)
+    plain = plain_counts(p, N, seed=1)
+    return p, q, exact, total_variation(plain, exact, N), chi_square_pvalue(plain, exact, N)
+
+
+def test_plain_sampling_is_the_yardstick(toy):
+    _, _, _, tv_plain, pv_plain = toy
+    assert 0.005 < tv_plain < 0.06 and pv_plain > 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_speculative_sampling_matches_exact_distribution(toy, mode):
+    p, q, exact, tv_plain, _ = toy
+    counts, tau = speculative_counts(mode, p, q, N, seed=11)
+    assert tau > 1.3  # the drafts really are being accepted, not just corrected
+    tv = total_variation(counts, exact, N)
+    pv = chi_square_pvalue(counts, exact, N)
+    assert pv > 1e-3, f"{mode}: chi-square p = {pv:.2e}"
+    assert tv < 1.5 * tv_plain, f"{mode}: TV {tv:.4f} vs plain sampling {tv_plain:.4f}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resampling_from_plain_p_fails_the_same_test(toy, mode, monkeypatch):
+    p, q, exact, tv_plain, _ = toy
+    monkeypatch.setattr(decoder, "residual_distribution", _resample_from_p)
+    counts, _ = speculative_counts(mode, p, q, N, seed=11)
+    tv = total_variation(counts, exact, N)
+    pv = chi_square_pvalue(counts, exact, N)
+    assert pv < 1e-6 and tv > 2 * tv_plain, f"{mode}: the biased sampler passed (p = {pv:.2e}, TV {tv:.4f})"
+
+
+# ----------------------------------------------------------------------------------------------- real decoder loop
+class BigramDrafter:
+    """Depth-2 drafts from a fixed random bigram q over the 4 tokens (no model), in any `draft_tree` mode."""
+
+    capture_layers = None
+
+    def __init__(self, mode: str, q: torch.Tensor, seed: int):
+        self.mode, self.q, self.qlist, self.rng = mode, q, q.tolist(), random.Random(seed)
+
+    def begin(self, prompt_ids, features, next_token):
+        self.prev = next_token
+
+    def draft(self, k, temperature):
+        tree = draft_tree(self.mode, self.prev, self.q, self.qlist, self.rng)
+        if k < 2:  # the loop asks for less near max_new_tokens: keep the first level only
+            keep = tree.parents < 0
+            return DraftTree(tree.tokens[keep], tree.parents[keep], None if tree.probs is None else tree.probs[keep],
+                             tree.sampling)
+        return tree
+
+    def commit(self, accepted, features, next_token):
+        self.prev = next_token
+
+
+HF_N, HF_L, TEMP, TOP_K = 600, 3, 0.8, 3
+
+
+@pytest.fixture(scope="module")
+def vocab4_model():
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.6)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def model_distribution(model, prompt: torch.Tensor) -> dict[tuple, float]:
+    """Exact P(first HF_L new tokens) under temperature/top-k sampling, from one batched forward."""
+    seqs = list(itertools.product(range(V), repeat=HF_L))
+    ids = torch.cat([prompt.expand(len(seqs), -1), torch.tensor(seqs)], dim=1)
+    n = prompt.shape[1]
+    probs = target_distribution(model(input_ids=ids).logits[:, n - 1:n - 1 + HF_L], TEMP, TOP_K)
+    picked = probs.gather(-1, torch.tensor(seqs)[..., None])[..., 0].double().prod(-1)
+    return dict(zip(seqs, picked.tolist()))
+
+
+@pytest.mark.parametrize("mode", ["chain", "topk_tree"])
+def test_decoder_loop_sampling_is_exact(vocab4_model, mode):
+    prompt = torch.tensor([[1, 3, 2, 0, 1]])
+    exact = model_distribution(vocab4_model, prompt)
+    assert sum(exact.values()) == pytest.approx(1.0) and min(exact.values()) == 0.0  # top-k removed some
+    _, q = _bigrams(seed=5)
+    drafter = BigramDrafter(mode, q, seed=2)
+    g = torch.Generator().manual_seed(0)
+    counts: Counter = Counter()
+    for _ in range(HF_N):
+        # max_new_tokens HF_L + 1 lets the first pass draft depth 2; the first HF_L tokens are compared.
+        out, _ = speculative_generate(vocab4_model, prompt, drafter, 2, HF_L + 1, temperature=TEMP, top_k=TOP_K,
+                                      generator=g)
+        counts[tuple(out[:HF_L].tolist())] += 1
+    assert all(exact[c] > 0 for c in counts)  # never a token that top-k removed
+    pv = chi_square_pvalue(counts, exact, HF_N)
+    assert pv > 1e-3, f"{mode}: chi-square p = {pv:.2e}, TV {total_variation(counts, exact, HF_N):.3f}"
