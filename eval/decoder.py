@@ -393,7 +393,7 @@ def speculative_generate(
     """Exact speculative decoding of one prompt (see the module docstring for the loop and the rules).
 
     input_ids [1, T] (or [T]); k is the draft length (chain length or tree depth) passed to drafter.draft,
-    0 = plain decoding through the same loop. Sampling uses `generator` for every target-side draw (the
+    0 = plain decoding through the same loop (the drafter is not called at all). Sampling uses `generator` for every target-side draw (the
     drafter keeps its own). Returns (new token ids [n] long, GenerationStats); stops after an eos token
     (kept) or max_new_tokens, exactly like plain_generate with the same arguments.
     """
@@ -412,10 +412,11 @@ def speculative_generate(
     logits, feats = _forward(model, ids, cache, capture, logits_to_keep=1)
     out = [_next_token(logits[0, -1], temperature, top_k, top_p, generator)]
     stats.prefill_time_s = perf() - t0
-    td = perf()
-    drafter.begin(ids, feats, out[-1])
-    stats.draft_time_s += perf() - td
     done = out[-1] in eos or len(out) >= max_new_tokens
+    if k > 0 and not done:  # k = 0 is plain decoding: the drafter is never asked
+        td = perf()
+        drafter.begin(ids, feats, out[-1])
+        stats.draft_time_s += perf() - td
     while not done:
         td = perf()
         # Never draft past max_new_tokens: the pass itself always adds one token.
@@ -453,7 +454,7 @@ def speculative_generate(
         if len(out) >= max_new_tokens:
             del out[max_new_tokens:]
             done = True
-        if not done:
+        if not done and k > 0:
             tc = perf()
             # Features of [root, accepted...] in path order: rows 0 and a+1 of this pass.
             f = None if feats is None else feats.index(torch.tensor([0] + [a + 1 for a in accepted], device=dev))

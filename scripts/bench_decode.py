@@ -1,0 +1,266 @@
+"""Benchmark the exact speculative decoder on SmolLM2-135M (CPU, batch 1, greedy, bundled prompts).
+
+    python scripts/bench_decode.py --json out.json                  # n-gram + self-speculative drafters
+    python scripts/bench_decode.py --head runs/eagle3 --json out.json   # plus a trained head's drafter
+    python scripts/bench_decode.py --max-new-tokens 64 --num-prompts 2 --threads 1
+
+Steps: measure the verify cost curve T(k) and plain greedy decoding with our loop (the reference outputs);
+run transformers' own generate, plain and with prompt_lookup_num_tokens=10, on the same prompts; for each
+drafter calibrate acceptance and draft cost on held-out prompts, choose k from the cost model (eval.costs),
+then decode the benchmark prompts and check the outputs are token-identical to plain greedy.
+Prompts (with the target's chat template) cycle through: a code edit that copies a HumanEval function
+(reformat it), an MT-bench question, a GSM8K problem. A drafter with several variants (the n-gram's
+smallest match length) is calibrated in each and the variant with the best predicted speedup runs.
+When the cost model says drafting does not pay (k = 0: plain decoding), a forced k = 1 run is reported
+as `forced_k1` so the drafter's tau and overhead are still measured.
+
+JSON keys: plain_tokens_per_s, hf_plain_tokens_per_s, hf_prompt_lookup_tokens_per_s,
+hf_prompt_lookup_speedup, drafters.<name>.{tokens_per_s, speedup, tau, outputs_identical, k,
+acceptance_rates, predicted_speedup, ideal_speedup, overhead_ratio, ...}, overhead_ratio.<name>,
+verify_cost_ms.<k>. speedup = tokens/s over plain greedy with our loop (whole generation, prefill included);
+overhead_ratio = measured decode-phase speedup / ideal speedup from measured tau, T(k) and draft cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from data.config import TargetConfig  # noqa: E402
+from data.target import TargetLoadError, load_target  # noqa: E402
+from eval.costs import (  # noqa: E402
+    Calibration,
+    VerifyCost,
+    calibrate,
+    choose_k,
+    ideal_speedup,
+    measure_verify_cost,
+)
+from eval.decoder import GenerationStats, plain_generate, speculative_generate  # noqa: E402
+from eval.drafters import NgramDrafter, self_speculative_drafter  # noqa: E402
+
+BUNDLED = ROOT / "data" / "bundled"
+
+
+# ----------------------------------------------------------------------------------------------- prompts
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def prompt_texts(n: int, offset: int = 0) -> list[tuple[str, str]]:
+    """n (category, user message) pairs cycling code / chat / math; `offset` picks other items (calibration)."""
+    code = _read_jsonl(BUNDLED / "HumanEval.jsonl.gz")
+    chat = _read_jsonl(BUNDLED / "mt_bench.jsonl")
+    math = _read_jsonl(BUNDLED / "gsm8k_test.jsonl")
+    out = []
+    for i in range(n):
+        j = offset + i // 3
+        kind = i % 3
+        if kind == 0:
+            item = code[j % len(code)]
+            src = item["prompt"] + item["canonical_solution"]
+            out.append(("code", "Fix the indentation and formatting of this code, and return the complete "
+                        "corrected code:\n```python\n" + src + "```"))
+        elif kind == 1:
+            out.append(("chat", chat[j % len(chat)]["turns"][0]))
+        else:
+            out.append(("math", math[j % len(math)]["question"]))
+    return out
+
+
+def encode(tok, text: str) -> torch.Tensor:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return torch.tensor([tok.encode(ids, add_special_tokens=False)])
+
+
+# ----------------------------------------------------------------------------------------------- runs
+def run_ours(label: str, fn, prompts: list[torch.Tensor]) -> tuple[list[list[int]], GenerationStats]:
+    total = GenerationStats()
+    outs = []
+    bar = tqdm(prompts, desc=label, unit="prompt", leave=False)
+    for ids in bar:
+        out, st = fn(ids)
+        outs.append(out.tolist())
+        total = total.merge(st)
+        bar.set_postfix(tok_s=f"{total.tokens_per_s:.1f}")
+    return outs, total
+
+
+def run_hf(label: str, model, prompts: list[torch.Tensor], max_new: int, **kw) -> tuple[list[list[int]], float, int]:
+    outs, secs, n = [], 0.0, 0
+    bar = tqdm(prompts, desc=label, unit="prompt", leave=False)
+    for ids in bar:
+        t = time.perf_counter()
+        out = model.generate(ids, do_sample=False, max_new_tokens=max_new, **kw)[0, ids.shape[1]:]
+        secs += time.perf_counter() - t
+        outs.append(out.tolist())
+        n += out.numel()
+        bar.set_postfix(tok_s=f"{n / secs:.1f}")
+    return outs, secs, n
+
+
+def per_token_decode(st: GenerationStats) -> float:
+    """Decode seconds per token after the first (the first comes from the prefill)."""
+    return st.decode_time_s / max(st.new_tokens - st.generations, 1)
+
+
+def _run_drafter(name: str, make, k: int, model, prompts, ref_outs, plain: GenerationStats,
+                 verify: VerifyCost, cal: Calibration, args, eos) -> dict:
+    outs, st = run_ours(f"{name} k={k}", lambda ids: speculative_generate(
+        model, ids, make(), k, args.max_new_tokens, eos_token_id=eos), prompts)
+    ideal = ideal_speedup(st, verify, cal.draft_cost)
+    measured_decode = per_token_decode(plain) / per_token_decode(st)
+    return {
+        "k": k,
+        "tokens_per_s": round(st.tokens_per_s, 2),
+        "speedup": round(st.tokens_per_s / plain.tokens_per_s, 3),
+        "decode_speedup": round(measured_decode, 3),
+        "tau": round(st.tau, 3),
+        "outputs_identical": outs == ref_outs,
+        "acceptance_rates": [round(a, 3) for a in st.acceptance_rates],
+        "draft_rate": round(st.draft_rate, 3),
+        "ideal_speedup": round(ideal, 3),
+        "overhead_ratio": round(measured_decode / ideal, 3) if k > 0 else None,
+        "draft_time_s": round(st.draft_time_s, 3),
+        "verify_time_s": round(st.verify_time_s, 3),
+        "new_tokens": st.new_tokens,
+    }
+
+
+def bench_drafter(name: str, variants: dict, calib_k: int, model, prompts, calib_prompts, ref_outs,
+                  plain: GenerationStats, verify: VerifyCost, args, eos) -> dict:
+    """Calibrate every variant, keep the best predicted one, run it (and k = 1 if it chose plain decoding)."""
+    best = None
+    for label, make in variants.items():
+        cal = calibrate(model, make(), calib_prompts, k=calib_k, max_new_tokens=args.calib_tokens, eos_token_id=eos)
+        k, predicted = choose_k(cal.acceptance, verify, cal.draft_cost, args.k_max, cal.draft_rate)
+        if best is None or predicted > best[3]:
+            best = (label, make, k, predicted, cal)
+    label, make, k, predicted, cal = best
+    out = _run_drafter(name, make, k, model, prompts, ref_outs, plain, verify, cal, args, eos)
+    out.update(
+        variant=label,
+        predicted_speedup=round(predicted, 3),
+        calibration_acceptance=[round(a, 3) for a in cal.acceptance],
+        draft_cost_ms={"fixed": round(cal.draft_cost.fixed_s * 1e3, 3),
+                       "per_token": round(cal.draft_cost.per_token_s * 1e3, 3)},
+    )
+    if k == 0:
+        out["forced_k1"] = _run_drafter(f"{name} (forced)", make, 1, model, prompts, ref_outs, plain, verify,
+                                        cal, args, eos)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2-135m", help="target name or path (default smollm2-135m)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=3, help="prompts, cycling code / chat / math")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--head", type=Path, help="a trained head folder to benchmark too (heads.base.load_head)")
+    ap.add_argument("--self-layers", type=int, default=24, help="layers in the self-speculative draft")
+    ap.add_argument("--k-max", type=int, default=16, help="largest draft length considered")
+    ap.add_argument("--calib-k", type=int, default=10, help="draft length of the calibration runs")
+    ap.add_argument("--calib-tokens", type=int, default=48, help="new tokens per calibration prompt")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model, tok, io = load_target(TargetConfig(name_or_path=args.target, device="cpu", dtype="float32"))
+    except TargetLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    eos = model.generation_config.eos_token_id
+    texts = prompt_texts(args.num_prompts)
+    prompts = [encode(tok, t) for _, t in texts]
+    calib_prompts = [encode(tok, t) for _, t in prompt_texts(2, offset=40)]
+    ctx = int(statistics.fmean(p.shape[1] for p in prompts) + args.max_new_tokens / 2)
+
+    print(f"target {args.target}: {torch.get_num_threads()} threads, {len(prompts)} prompts "
+          f"({', '.join(f'{c} {p.shape[1]} tok' for (c, _), p in zip(texts, prompts))}), "
+          f"max_new_tokens {args.max_new_tokens}; measuring T(k) at context {ctx}")
+    verify = measure_verify_cost(model, context_len=ctx, repeats=3)
+    with torch.inference_mode():
+        ref_outs, plain = run_ours("plain", lambda ids: plain_generate(
+            model, ids, args.max_new_tokens, eos_token_id=eos), prompts)
+        hf_outs, hf_secs, hf_n = run_hf("hf plain", model, prompts, args.max_new_tokens)
+        pld_outs, pld_secs, pld_n = run_hf("hf prompt lookup", model, prompts, args.max_new_tokens,
+                                           prompt_lookup_num_tokens=10)
+
+        # name -> (variants {label: factory}, calibration draft length)
+        drafters = {
+            "ngram": ({f"n={n_min}..3": (lambda n_min=n_min: NgramDrafter(n_max=3, n_min=n_min))
+                       for n_min in (1, 2)}, args.calib_k),
+            "self_speculative": ({f"{args.self_layers} layers": lambda: self_speculative_drafter(
+                model, args.self_layers)}, min(args.calib_k, 4)),
+        }
+        if args.head:
+            from heads.base import family_module, load_head
+
+            head, cfg, _ = load_head(args.head, io)
+            family = family_module(cfg.family)
+            drafters[f"head_{cfg.family}"] = ({str(args.head): lambda: family.drafter(head, io)},
+                                              min(args.calib_k, 6))
+        results = {
+            name: bench_drafter(name, variants, ck, model, prompts, calib_prompts, ref_outs, plain, verify, args, eos)
+            for name, (variants, ck) in drafters.items()
+        }
+
+    report = {
+        "target": args.target,
+        "threads": torch.get_num_threads(),
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": [{"category": c, "prompt_tokens": p.shape[1]} for (c, _), p in zip(texts, prompts)],
+        "plain_tokens_per_s": round(plain.tokens_per_s, 2),
+        "plain_new_tokens": plain.new_tokens,
+        "hf_plain_tokens_per_s": round(hf_n / hf_secs, 2),
+        "hf_prompt_lookup_tokens_per_s": round(pld_n / pld_secs, 2),
+        "hf_prompt_lookup_speedup": round((pld_n / pld_secs) / (hf_n / hf_secs), 3),
+        "hf_outputs_identical": hf_outs == ref_outs and pld_outs == ref_outs,
+        "drafters": results,
+        "overhead_ratio": {name: r["overhead_ratio"] for name, r in results.items()},
+        "verify_cost_ms": verify.ms(),
+        "verify_cost_context": verify.context_len,
+    }
+
+    print(f"\nT(k) ms at context {ctx}: " + ", ".join(f"{k}: {v:.1f}" for k, v in verify.ms().items()))
+    print(f"plain (ours) {report['plain_tokens_per_s']:.1f} tok/s | transformers plain {report['hf_plain_tokens_per_s']:.1f}"
+          f" tok/s, prompt lookup (10) {report['hf_prompt_lookup_tokens_per_s']:.1f} tok/s = "
+          f"{report['hf_prompt_lookup_speedup']:.2f}x, identical {report['hf_outputs_identical']}")
+    head = f"{'drafter':<18}{'k':>3}{'tau':>7}{'tok/s':>8}{'speedup':>9}{'predicted':>10}{'ideal':>7}{'overhead':>9}  identical"
+    print(head)
+    print("-" * len(head))
+    for name, r in results.items():
+        for label, row in ((name, r), ("  forced k=1", r.get("forced_k1"))):
+            if row is None:
+                continue
+            ov = "-" if row["overhead_ratio"] is None else f"{row['overhead_ratio']:.2f}"
+            pred = f"{r['predicted_speedup']:>9.2f}x" if row is r else f"{'':>10}"
+            print(f"{label:<18}{row['k']:>3}{row['tau']:>7.2f}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
+                  f"{pred}{row['ideal_speedup']:>6.2f}x{ov:>9}  {row['outputs_identical']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
