@@ -53,7 +53,7 @@ class DataConfig:
     """Conversations to train on and how to tokenize them."""
 
     path: str = "data/bundled/tiny_conversations.jsonl"  # JSONL file, folder, or `datasets` name
-    format: str = "auto"  # auto | sharegpt | messages | mtbench | prompts | hf
+    format: str = "auto"  # auto | sharegpt | messages | mtbench | qa | prompts | hf
     split: str = "train"  # split, for `datasets` names
     max_samples: int | None = None  # keep the first N records
     skip_malformed: bool = False  # skip (and count) malformed records instead of failing
@@ -284,7 +284,9 @@ def load_config(
             raise ConfigError(f"{path}: top level must be a mapping")
     cfg = from_dict(cls, tree, source)
     if overrides:
-        merged = to_dict(cfg)
+        # Overrides go onto the file's own tree (not the filled-in defaults), so switching
+        # --head.family does not drag the old family's default keys along.
+        merged = tree
         for item in overrides:
             flag = item[2:] if item.startswith("--") else item
             if "=" not in flag:

@@ -8,7 +8,8 @@ Formats (one JSON object per line; `.gz` files are read transparently):
   sharegpt  {"id": ..., "conversations": [{"from": "human"|"gpt"|"system", "value": "..."}]}
   messages  {"messages": [{"role": "user"|"assistant"|"system", "content": "..."}]}
   mtbench   {"question_id": 81, "category": "writing", "turns": ["...", "..."]}
-  prompts   {"prompt": "..."} or {"question": "..."} (GSM8K) or {"instruction": "..."} or {"text": "..."}
+  qa        {"question": "...", "answer": "..."} (GSM8K): a user turn and its reference answer
+  prompts   {"prompt": "..."} or {"question": "..."} or {"instruction": "..."} or {"text": "..."}
   hf        any `datasets` dataset by name or local path whose records are one of the above
 
 A malformed record raises `DataError` naming the file and line; with `skip_malformed=True` it is skipped
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("auto", "sharegpt", "messages", "mtbench", "prompts", "hf")
+FORMATS = ("auto", "sharegpt", "messages", "mtbench", "qa", "prompts", "hf")
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
 _PROMPT_KEYS = ("prompt", "question", "instruction", "text")
@@ -59,6 +60,8 @@ def detect_format(obj: dict) -> str:
         return "messages"
     if "turns" in obj:
         return "mtbench"
+    if "question" in obj and "answer" in obj:
+        return "qa"
     if any(k in obj for k in _PROMPT_KEYS):
         return "prompts"
     raise ValueError(f"unknown record format (keys: {', '.join(sorted(obj)[:8])})")
@@ -109,6 +112,9 @@ def parse_record(obj: Any, fmt: str, default_id: str) -> Record:
             raise ValueError("'turns' must be a non-empty list")
         msgs = [{"role": "user", "content": _content(t, f"turns[{i}]")} for i, t in enumerate(turns)]
         return Record(rid, msgs, {"category": str(obj.get("category", "default"))})
+    if fmt == "qa":
+        return Record(rid, [{"role": "user", "content": _content(obj["question"], "question")},
+                            {"role": "assistant", "content": _content(obj["answer"], "answer")}])
     if fmt == "prompts":
         for k in _PROMPT_KEYS:
             if k in obj:

@@ -143,6 +143,9 @@ def build_datasets(cfg: RunConfig, tokenizer: Any) -> tuple[datasets.Dataset, da
         [{"id": r.id, "messages": r.messages} for r in recs], tokenizer, cfg.data.max_length,
         cfg.data.chat_template, cache_dir / f"tokenized-{_data_key(cfg, tokenizer)}.arrow",
     )
+    if len(ds) == 0:
+        raise DataError(f"{cfg.data.path}: none of {len(recs)} records has an assistant turn within "
+                        f"data.max_length={cfg.data.max_length} (a prompt-only file? regenerate answers first)")
     if len(ds) < len(recs):
         print(f"data: dropped {len(recs) - len(ds)} of {len(recs)} conversations with no assistant token within "
               f"data.max_length={cfg.data.max_length}", file=sys.stderr)
@@ -157,6 +160,7 @@ def build_datasets(cfg: RunConfig, tokenizer: Any) -> tuple[datasets.Dataset, da
 def dataset_fingerprint(ds: datasets.Dataset) -> str:
     """A content hash of the tokenized data (input_ids and loss_mask), stable across processes."""
     h = hashlib.sha256()
+    ds = ds.flatten_indices()  # `ds.data` ignores a select()'s index mapping; materialise it first
     for col in ("input_ids", "loss_mask"):
         arr = ds.data.column(col).combine_chunks()
         h.update(np.asarray(arr.values, dtype=np.int64).tobytes())
