@@ -9,6 +9,9 @@ import pytest
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models are overhead-bound: one thread per process is as fast, and it keeps the 2-process
+# tests (and subprocesses) from oversubscribing a 2-core machine, where idle OpenMP threads spin.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
