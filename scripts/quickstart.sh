@@ -7,12 +7,12 @@
 # 4. train an EAGLE-3 head on that store (prints held-out per-step top-1 and simulated tau);
 # 5. evaluate the head with the exact speculative decoder and print the report table.
 # Each stage resumes where it stopped if the script is interrupted and run again.
-# Knobs (environment): QS_PROMPTS (default 256), QS_MAX_NEW (default 160), QS_STEPS (training steps),
+# Knobs (environment): QS_PROMPTS (default 128), QS_MAX_NEW (default 160), QS_STEPS (training steps),
 # QS_QUESTIONS (eval questions per benchmark, default 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/quickstart}"
-PROMPTS="${QS_PROMPTS:-256}"
+PROMPTS="${QS_PROMPTS:-128}"
 MAX_NEW="${QS_MAX_NEW:-160}"
 QUESTIONS="${QS_QUESTIONS:-4}"
 CONFIG=configs/smollm2-135m.yaml
