@@ -142,19 +142,17 @@ def calibrate(
     """
     if k < 1:
         raise ValueError(f"calibrate: k must be >= 1, got {k}")
-    points = []
-    total: GenerationStats | None = None
-    for kk in sorted({1, k}):
+    runs = {}
+    for kk in sorted({1, k}, reverse=True):
         run = GenerationStats()
         for ids in prompts:
             _, st = speculative_generate(model, ids, drafter, kk, max_new_tokens, eos_token_id=eos_token_id)
             run = run.merge(st)
-        if run.target_passes:
-            points.append((run.drafted_tokens / run.target_passes, run.draft_time_s / run.target_passes))
-        if kk == k:
-            total = run
-    assert total is not None
-    return Calibration(total.acceptance_rates, total.draft_rate, DraftCost.fit(points), total)
+        runs[kk] = run
+    points = [(r.drafted_tokens / r.target_passes, r.draft_time_s / r.target_passes)
+              for r in runs.values() if r.target_passes]
+    main = runs[k]
+    return Calibration(main.acceptance_rates, main.draft_rate, DraftCost.fit(points), main)
 
 
 def expected_tokens(acceptance: Sequence[float], k: int, draft_rate: float = 1.0) -> float:

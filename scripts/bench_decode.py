@@ -7,7 +7,8 @@
 Steps: measure the verify cost curve T(k) and plain greedy decoding with our loop (the reference outputs);
 run transformers' own generate, plain and with prompt_lookup_num_tokens=10, on the same prompts; for each
 drafter calibrate acceptance and draft cost on held-out prompts, choose k from the cost model (eval.costs),
-then decode the benchmark prompts and check the outputs are token-identical to plain greedy.
+then decode the benchmark prompts (every method on a prompt before the next prompt, so load drift on a
+shared machine hits all alike) and check the outputs are token-identical to plain greedy.
 Prompts (with the target's chat template) cycle through: a code edit that copies a HumanEval function
 (reformat it), an MT-bench question, a GSM8K problem. A drafter with several variants (the n-gram's
 smallest match length) is calibrated in each and the variant with the best predicted speedup runs.
@@ -43,7 +44,6 @@ from tqdm import tqdm  # noqa: E402
 from data.config import TargetConfig  # noqa: E402
 from data.target import TargetLoadError, load_target  # noqa: E402
 from eval.costs import (  # noqa: E402
-    Calibration,
     VerifyCost,
     calibrate,
     choose_k,
@@ -90,81 +90,74 @@ def encode(tok, text: str) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- runs
-def run_ours(label: str, fn, prompts: list[torch.Tensor]) -> tuple[list[list[int]], GenerationStats]:
-    total = GenerationStats()
-    outs = []
-    bar = tqdm(prompts, desc=label, unit="prompt", leave=False)
-    for ids in bar:
-        out, st = fn(ids)
-        outs.append(out.tolist())
-        total = total.merge(st)
-        bar.set_postfix(tok_s=f"{total.tokens_per_s:.1f}")
-    return outs, total
-
-
-def run_hf(label: str, model, prompts: list[torch.Tensor], max_new: int, **kw) -> tuple[list[list[int]], float, int]:
-    outs, secs, n = [], 0.0, 0
-    bar = tqdm(prompts, desc=label, unit="prompt", leave=False)
-    for ids in bar:
-        t = time.perf_counter()
-        out = model.generate(ids, do_sample=False, max_new_tokens=max_new, **kw)[0, ids.shape[1]:]
-        secs += time.perf_counter() - t
-        outs.append(out.tolist())
-        n += out.numel()
-        bar.set_postfix(tok_s=f"{n / secs:.1f}")
-    return outs, secs, n
-
-
 def per_token_decode(st: GenerationStats) -> float:
     """Decode seconds per token after the first (the first comes from the prefill)."""
     return st.decode_time_s / max(st.new_tokens - st.generations, 1)
 
 
-def _run_drafter(name: str, make, k: int, model, prompts, ref_outs, plain: GenerationStats,
-                 verify: VerifyCost, cal: Calibration, args, eos) -> dict:
-    outs, st = run_ours(f"{name} k={k}", lambda ids: speculative_generate(
-        model, ids, make(), k, args.max_new_tokens, eos_token_id=eos), prompts)
-    ideal = ideal_speedup(st, verify, cal.draft_cost)
-    measured_decode = per_token_decode(plain) / per_token_decode(st)
-    return {
-        "k": k,
-        "tokens_per_s": round(st.tokens_per_s, 2),
-        "speedup": round(st.tokens_per_s / plain.tokens_per_s, 3),
-        "decode_speedup": round(measured_decode, 3),
-        "tau": round(st.tau, 3),
-        "outputs_identical": outs == ref_outs,
-        "acceptance_rates": [round(a, 3) for a in st.acceptance_rates],
-        "draft_rate": round(st.draft_rate, 3),
-        "ideal_speedup": round(ideal, 3),
-        "overhead_ratio": round(measured_decode / ideal, 3) if k > 0 else None,
-        "draft_time_s": round(st.draft_time_s, 3),
-        "verify_time_s": round(st.verify_time_s, 3),
-        "new_tokens": st.new_tokens,
-    }
+class Plan:
+    """One drafter configuration chosen by calibration (variant and k) plus what its runs accumulate."""
+
+    def __init__(self, name: str, variants: dict, calib_k: int, model, calib_prompts, verify: VerifyCost,
+                 args, eos):
+        best = None
+        for label, make in variants.items():
+            cal = calibrate(model, make(), calib_prompts, k=calib_k, max_new_tokens=args.calib_tokens,
+                            eos_token_id=eos)
+            k, predicted = choose_k(cal.acceptance, verify, cal.draft_cost, args.k_max, cal.draft_rate)
+            if best is None or predicted > best[3]:
+                best = (label, make, k, predicted, cal)
+        self.name = name
+        self.variant, self.make, self.k, self.predicted, self.cal = best
+        # When the cost model picks plain decoding (k = 0), k = 1 is also run to measure the drafter anyway.
+        self.ks = [self.k] if self.k > 0 else [0, 1]
+        self.outs: dict[int, list[list[int]]] = {k: [] for k in self.ks}
+        self.stats: dict[int, GenerationStats] = {k: GenerationStats() for k in self.ks}
+
+    def run(self, model, ids: torch.Tensor, args, eos) -> None:
+        for k in self.ks:
+            out, st = speculative_generate(model, ids, self.make(), k, args.max_new_tokens, eos_token_id=eos)
+            self.outs[k].append(out.tolist())
+            self.stats[k] = self.stats[k].merge(st)
+
+    def row(self, k: int, plain: GenerationStats, ref_outs: list[list[int]], verify: VerifyCost) -> dict:
+        st = self.stats[k]
+        ideal = ideal_speedup(st, verify, self.cal.draft_cost)
+        measured_decode = per_token_decode(plain) / per_token_decode(st)
+        return {
+            "k": k,
+            "tokens_per_s": round(st.tokens_per_s, 2),
+            "speedup": round(st.tokens_per_s / plain.tokens_per_s, 3),
+            "decode_speedup": round(measured_decode, 3),
+            "tau": round(st.tau, 3),
+            "outputs_identical": self.outs[k] == ref_outs,
+            "acceptance_rates": [round(a, 3) for a in st.acceptance_rates],
+            "draft_rate": round(st.draft_rate, 3),
+            "ideal_speedup": round(ideal, 3),
+            "overhead_ratio": round(measured_decode / ideal, 3) if k > 0 else None,
+            "draft_time_s": round(st.draft_time_s, 3),
+            "verify_time_s": round(st.verify_time_s, 3),
+            "new_tokens": st.new_tokens,
+        }
+
+    def report(self, plain: GenerationStats, ref_outs: list[list[int]], verify: VerifyCost) -> dict:
+        out = self.row(self.ks[0], plain, ref_outs, verify)
+        out.update(
+            variant=self.variant,
+            predicted_speedup=round(self.predicted, 3),
+            calibration_acceptance=[round(a, 3) for a in self.cal.acceptance],
+            draft_cost_ms={"fixed": round(self.cal.draft_cost.fixed_s * 1e3, 3),
+                           "per_token": round(self.cal.draft_cost.per_token_s * 1e3, 3)},
+        )
+        if len(self.ks) > 1:
+            out["forced_k1"] = self.row(1, plain, ref_outs, verify)
+        return out
 
 
-def bench_drafter(name: str, variants: dict, calib_k: int, model, prompts, calib_prompts, ref_outs,
-                  plain: GenerationStats, verify: VerifyCost, args, eos) -> dict:
-    """Calibrate every variant, keep the best predicted one, run it (and k = 1 if it chose plain decoding)."""
-    best = None
-    for label, make in variants.items():
-        cal = calibrate(model, make(), calib_prompts, k=calib_k, max_new_tokens=args.calib_tokens, eos_token_id=eos)
-        k, predicted = choose_k(cal.acceptance, verify, cal.draft_cost, args.k_max, cal.draft_rate)
-        if best is None or predicted > best[3]:
-            best = (label, make, k, predicted, cal)
-    label, make, k, predicted, cal = best
-    out = _run_drafter(name, make, k, model, prompts, ref_outs, plain, verify, cal, args, eos)
-    out.update(
-        variant=label,
-        predicted_speedup=round(predicted, 3),
-        calibration_acceptance=[round(a, 3) for a in cal.acceptance],
-        draft_cost_ms={"fixed": round(cal.draft_cost.fixed_s * 1e3, 3),
-                       "per_token": round(cal.draft_cost.per_token_s * 1e3, 3)},
-    )
-    if k == 0:
-        out["forced_k1"] = _run_drafter(f"{name} (forced)", make, 1, model, prompts, ref_outs, plain, verify,
-                                        cal, args, eos)
-    return out
+def hf_generate(model, ids: torch.Tensor, max_new: int, **kw) -> tuple[list[int], float]:
+    t = time.perf_counter()
+    out = model.generate(ids, do_sample=False, max_new_tokens=max_new, **kw)[0, ids.shape[1]:]
+    return out.tolist(), time.perf_counter() - t
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -198,12 +191,6 @@ def main(argv: list[str] | None = None) -> dict:
           f"max_new_tokens {args.max_new_tokens}; measuring T(k) at context {ctx}")
     verify = measure_verify_cost(model, context_len=ctx, repeats=3)
     with torch.inference_mode():
-        ref_outs, plain = run_ours("plain", lambda ids: plain_generate(
-            model, ids, args.max_new_tokens, eos_token_id=eos), prompts)
-        hf_outs, hf_secs, hf_n = run_hf("hf plain", model, prompts, args.max_new_tokens)
-        pld_outs, pld_secs, pld_n = run_hf("hf prompt lookup", model, prompts, args.max_new_tokens,
-                                           prompt_lookup_num_tokens=10)
-
         # name -> (variants {label: factory}, calibration draft length)
         drafters = {
             "ngram": ({f"n={n_min}..3": (lambda n_min=n_min: NgramDrafter(n_max=3, n_min=n_min))
@@ -218,10 +205,27 @@ def main(argv: list[str] | None = None) -> dict:
             family = family_module(cfg.family)
             drafters[f"head_{cfg.family}"] = ({str(args.head): lambda: family.drafter(head, io)},
                                               min(args.calib_k, 6))
-        results = {
-            name: bench_drafter(name, variants, ck, model, prompts, calib_prompts, ref_outs, plain, verify, args, eos)
-            for name, (variants, ck) in drafters.items()
-        }
+        plans = [Plan(name, variants, ck, model, calib_prompts, verify, args, eos)
+                 for name, (variants, ck) in tqdm(drafters.items(), desc="calibrating", leave=False)]
+
+        # Every method runs on a prompt before the next prompt starts, so a shared machine's load drift
+        # hits all methods alike.
+        ref_outs, plain = [], GenerationStats()
+        hf = {"plain": ([], 0.0, 0), "lookup": ([], 0.0, 0)}
+        bar = tqdm(prompts, desc="decoding", unit="prompt")
+        for ids in bar:
+            out, st = plain_generate(model, ids, args.max_new_tokens, eos_token_id=eos)
+            ref_outs.append(out.tolist())
+            plain = plain.merge(st)
+            for key, kw in (("plain", {}), ("lookup", {"prompt_lookup_num_tokens": 10})):
+                o, secs = hf_generate(model, ids, args.max_new_tokens, **kw)
+                outs, total, n = hf[key]
+                hf[key] = (outs + [o], total + secs, n + len(o))
+            for plan in plans:
+                plan.run(model, ids, args, eos)
+            bar.set_postfix(plain_tok_s=f"{plain.tokens_per_s:.1f}")
+        results = {plan.name: plan.report(plain, ref_outs, verify) for plan in plans}
+    (hf_outs, hf_secs, hf_n), (pld_outs, pld_secs, pld_n) = hf["plain"], hf["lookup"]
 
     report = {
         "target": args.target,
