@@ -41,15 +41,6 @@ MAX_NEW = 40
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine two threads per process stall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def target(tiny_target):
     return tiny_target[0]

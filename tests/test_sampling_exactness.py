@@ -30,15 +30,6 @@ V, L, N = 4, 4, 6_000
 START = 0  # the token before the first sampled one
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy 2-core machine two threads per process stall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ----------------------------------------------------------------------------------------------- statistics
 def chi_square_pvalue(counts: Counter, probs: dict[tuple, float], n: int) -> float:
     """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one cell."""
