@@ -289,8 +289,10 @@ class MTPDrafter:
 
     capture_layers: tuple[int, ...] | None = ()
 
-    def __init__(self, head: MTPHead, target: TargetIO, max_steps: int | None = None):
-        self.head, self.target = head, target
+    def __init__(
+        self, head: MTPHead, target: TargetIO, max_steps: int | None = None, generator: torch.Generator | None = None
+    ):
+        self.head, self.target, self.generator = head, target, generator
         cfg = head.cfg
         # Separate modules stop at K; a recursive module may run as far as asked (or max_steps).
         self.max_steps = max_steps if max_steps is not None else (None if cfg.recursive else cfg.num_modules)
@@ -337,7 +339,7 @@ class MTPDrafter:
             logits = _logits(self.target, mod.norm(full[-1]))
             if temperature > 0:
                 q = torch.softmax(logits / temperature, dim=-1)
-                tok = int(torch.multinomial(q, 1))
+                tok = int(torch.multinomial(q, 1, generator=self.generator))
                 probs.append(q)
             else:
                 tok = int(logits.argmax())
@@ -363,6 +365,8 @@ class MTPDrafter:
         self.drafted = []
 
 
-def drafter(head: MTPHead, target: TargetIO, max_steps: int | None = None) -> MTPDrafter:
-    """The decoder adapter (chain drafting)."""
-    return MTPDrafter(head, target, max_steps=max_steps)
+def drafter(
+    head: MTPHead, target: TargetIO, max_steps: int | None = None, generator: torch.Generator | None = None
+) -> MTPDrafter:
+    """The decoder adapter (chain drafting; sampled drafts use `generator`, the drafter's own)."""
+    return MTPDrafter(head, target, max_steps=max_steps, generator=generator)

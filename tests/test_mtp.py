@@ -1,7 +1,7 @@
 """MTP modules: the 1+k shift, architecture-copied blocks (Llama, Qwen2, Gemma3), the loss, the incremental
 drafter against a full recomputation, save/load/draft round trip, exact greedy decoding.
 
-    .venv/bin/python -m pytest -q tests/test_mtp.py
+    .venv/bin/python -m pytest -q tests/test_mtp.py               # add -m slow for the sampling exactness test
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from data.config import TargetConfig
 from data.features import forward_features
 from data.target import load_target
-from eval.decoder import plain_generate, speculative_generate
+from eval.decoder import plain_generate, speculative_generate, target_distribution
 from heads import mtp
 from heads.base import HeadMismatchError, load_head, save_head
 
@@ -56,6 +56,45 @@ def overfit(head, batch, target, steps: int, lr: float = 1e-2) -> tuple[list[flo
         opt.step()
         losses.append(float(loss.detach()))
     return losses, metrics
+
+
+def exact_and_empirical(model, prompt: list[int], make_drafter, k: int, n_new: int, top_k: int, samples: int):
+    """Exact P(new tokens) of plain sampling (temperature 1, top-k) and counts from speculative sampling.
+
+    With top-k the target has top_k**n_new outcomes, enumerated exactly with target_distribution (the
+    processor both decoders use); each speculative sample runs with its own seeded generators.
+    """
+    exact: dict[tuple[int, ...], float] = {}
+
+    def walk(prefix: list[int], prob: float) -> None:
+        if len(prefix) == len(prompt) + n_new:
+            exact[tuple(prefix[len(prompt):])] = prob
+            return
+        with torch.no_grad():
+            p = target_distribution(model(torch.tensor([prefix])).logits[0, -1], 1.0, top_k)
+        for t in torch.nonzero(p).flatten().tolist():
+            walk(prefix + [t], prob * float(p[t]))
+
+    walk(list(prompt), 1.0)
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(samples):
+        out, _ = speculative_generate(model, torch.tensor([prompt]), make_drafter(i), k=k, max_new_tokens=n_new,
+                                      temperature=1.0, top_k=top_k, generator=torch.Generator().manual_seed(i))
+        counts[tuple(out.tolist())] = counts.get(tuple(out.tolist()), 0) + 1
+    return exact, counts
+
+
+def chi_square_pvalue(exact: dict, counts: dict, n: int) -> float:
+    """Pearson's chi-square of counts against n * exact, cells with expected < 5 pooled into one."""
+    assert set(counts) <= set(exact), "an outcome plain sampling can never produce"
+    big = [c for c in exact if exact[c] * n >= 5]
+    small = [c for c in exact if exact[c] * n < 5]
+    cells = [(n * exact[c], counts.get(c, 0)) for c in big]
+    if small:
+        cells.append((n * sum(exact[c] for c in small), sum(counts.get(c, 0) for c in small)))
+    stat = sum((o - e) ** 2 / e for e, o in cells)
+    df = len(cells) - 1
+    return float(1 - torch.special.gammainc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def test_shift_worked_example() -> None:
@@ -178,6 +217,21 @@ def test_greedy_decoding_is_identical(tiny_target, trained) -> None:
         assert out.tolist() == ref.tolist()
         if n == 32:
             assert stats.tau > 1.5  # learnt continuation: accepted drafts exercised the rollback
+
+
+@pytest.mark.slow  # ~600 speculative generations: about 20 s on an idle 2-core machine
+def test_sampling_is_exact(tiny_target, trained) -> None:
+    """Speculative sampling (temperature 1, top-3) with the mtp drafter matches plain sampling's law.
+
+    Fixed seeds make it deterministic; a drafter whose q did not match its drafts, or a verifier that
+    resampled from p after a rejection, fails it (chi-square p-value far below 1e-3).
+    """
+    model, _, io = tiny_target
+    head, prompt = trained
+    n = 600
+    exact, counts = exact_and_empirical(model, prompt, lambda i: mtp.drafter(head, io, generator=torch.Generator().manual_seed(10_000 + i)), k=2, n_new=4, top_k=3, samples=n)
+    pv = chi_square_pvalue(exact, counts, n)
+    assert pv > 1e-3, f"chi-square p = {pv:.2e}"
 
 
 def test_save_load_round_trip_and_mismatch(tmp_path: Path, targets, trained) -> None:
