@@ -189,7 +189,6 @@ def test_draft_tree_shape_and_probs(tiny_target, trained) -> None:
         medusa.drafter(head, io, tree=[[0], [1, 0]])
 
 
-@pytest.mark.slow  # ~600 speculative generations: about 20 s on an idle 2-core machine
 def test_sampling_is_exact(tiny_target, trained) -> None:
     """Speculative sampling (temperature 1, top-3) with the medusa drafter matches plain sampling's law.
 

@@ -219,7 +219,6 @@ def test_greedy_decoding_is_identical(tiny_target, trained) -> None:
             assert stats.tau > 1.5  # learnt continuation: accepted drafts exercised the rollback
 
 
-@pytest.mark.slow  # ~600 speculative generations: about 20 s on an idle 2-core machine
 def test_sampling_is_exact(tiny_target, trained) -> None:
     """Speculative sampling (temperature 1, top-3) with the mtp drafter matches plain sampling's law.
 
