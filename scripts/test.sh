@@ -1,10 +1,28 @@
 #!/usr/bin/env bash
 # Install the dev extras into .venv and run the checks CI runs: ruff, then the default pytest suite.
-#   ./scripts/test.sh                 # default suite (no GPU, no hub; under 10 minutes on 2 cores)
-#   ./scripts/test.sh -m slow         # extra arguments go to pytest (here: the real-model tests)
+#   ./scripts/test.sh                 # default suite (no GPU, no hub; a few minutes on 2 cores)
+#   ./scripts/test.sh -m slow         # extra arguments go to pytest (here: the real-model and long tests)
+#   ./scripts/test.sh -m slurm        # the real SLURM scheduler test (root; installs slurm-wlm + munge)
+# Under CI (CI=true, as root, with apt) the real single-node SLURM test runs too, after the default suite:
+# it installs Debian's slurm-wlm and munge if missing, then starts, uses and stops a private cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_env.sh dev
 export HF_HUB_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+
+need_slurm() {
+  command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 && return 0
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
+}
+
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "slurm" ]; then
+  need_slurm
+  exec .venv/bin/python -m pytest -q -m slurm tests/test_slurm.py
+fi
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"
+if [ "${CI:-}" = "true" ] && [ "$#" -eq 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  echo "== CI: real single-node SLURM scheduler test (tests/test_slurm.py)"
+  need_slurm
+  .venv/bin/python -m pytest -q -m slurm tests/test_slurm.py
+fi
