@@ -110,3 +110,16 @@ def test_cli_refuses_another_family_and_a_too_large_draft_vocab(tmp_path, cache_
               f"--data.cache_dir={cache_dir}"], family=("eagle1", "eagle3"))
     assert e.value.code == 2
     assert "head.draft_vocab_size 250 is larger than the" in capsys.readouterr().err
+
+
+def test_eval_at_end_writes_the_report(tmp_path, cache_dir):
+    """train.eval_at_end: the CLI trains, then evaluates the finished head with the exact decoder."""
+    out = tmp_path / "run"
+    flags = {"train.max_steps": 2, "train.batch_size": 2, "train.eval_every": 100, "train.checkpoint_every": 100,
+             "data.cache_dir": str(cache_dir), "train.eval_at_end": "true", "eval.max_questions": 1,
+             "eval.max_new_tokens": 8, "eval.batch_sizes": "[1, 2]"}
+    res = main(["--config", "configs/tiny-eagle.yaml", "--out", str(out), *[f"--{k}={v}" for k, v in flags.items()]],
+               family=("eagle1", "eagle3"))
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert report["benchmarks"]["mt_bench"]["tau"] >= 1.0
+    assert res["report"]["benchmarks"]["mt_bench"]["tau"] == report["benchmarks"]["mt_bench"]["tau"]

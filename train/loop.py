@@ -530,7 +530,14 @@ def main(argv: list[str] | None = None, family: str | Sequence[str] | None = Non
               f"{' / '.join(allowed)}", file=sys.stderr)
         raise SystemExit(2)
     try:
-        return train(cfg, resume=args.resume)
+        result = train(cfg, resume=args.resume)
+        # train.eval_at_end: one process (rank 0) evaluates the finished head with the exact decoder.
+        if cfg.train.eval_at_end and not result.get("stopped") and int(os.environ.get("RANK", "0")) == 0:
+            from eval.run import evaluate
+
+            result["report"] = evaluate(Path(result["out"]) / "head", cfg.eval, Path(result["out"]) / "eval",
+                                        cfg.target, seed=cfg.seed)
+        return result
     except (ConfigError, DataError, TargetLoadError, StoreMismatchError, HeadMismatchError, TrainError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
