@@ -51,3 +51,10 @@ def test_dotted_overrides_and_saved_config(tmp_path: Path) -> None:
     path = save_config(cfg, tmp_path)
     again = load_config(path)
     assert again == cfg
+
+
+def test_duplicate_key_is_an_error(tmp_path: Path) -> None:
+    p = tmp_path / "dup.yaml"
+    p.write_text("features:\n  mode: offline\ntrain:\n  epochs: 1\nfeatures:\n  mode: online\n")
+    with pytest.raises(ConfigError, match=r"(?s)dup.yaml.*duplicate key 'features'.*line 5"):
+        load_config(p)
