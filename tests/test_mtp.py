@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from exactness import chi_square_pvalue, exact_and_empirical
 
 from data.config import TargetConfig
 from data.features import forward_features
 from data.target import load_target
-from eval.decoder import plain_generate, speculative_generate, target_distribution
+from eval.decoder import plain_generate, speculative_generate
 from heads import mtp
 from heads.base import HeadMismatchError, load_head, save_head
 
@@ -56,45 +57,6 @@ def overfit(head, batch, target, steps: int, lr: float = 1e-2) -> tuple[list[flo
         opt.step()
         losses.append(float(loss.detach()))
     return losses, metrics
-
-
-def exact_and_empirical(model, prompt: list[int], make_drafter, k: int, n_new: int, top_k: int, samples: int):
-    """Exact P(new tokens) of plain sampling (temperature 1, top-k) and counts from speculative sampling.
-
-    With top-k the target has top_k**n_new outcomes, enumerated exactly with target_distribution (the
-    processor both decoders use); each speculative sample runs with its own seeded generators.
-    """
-    exact: dict[tuple[int, ...], float] = {}
-
-    def walk(prefix: list[int], prob: float) -> None:
-        if len(prefix) == len(prompt) + n_new:
-            exact[tuple(prefix[len(prompt):])] = prob
-            return
-        with torch.no_grad():
-            p = target_distribution(model(torch.tensor([prefix])).logits[0, -1], 1.0, top_k)
-        for t in torch.nonzero(p).flatten().tolist():
-            walk(prefix + [t], prob * float(p[t]))
-
-    walk(list(prompt), 1.0)
-    counts: dict[tuple[int, ...], int] = {}
-    for i in range(samples):
-        out, _ = speculative_generate(model, torch.tensor([prompt]), make_drafter(i), k=k, max_new_tokens=n_new,
-                                      temperature=1.0, top_k=top_k, generator=torch.Generator().manual_seed(i))
-        counts[tuple(out.tolist())] = counts.get(tuple(out.tolist()), 0) + 1
-    return exact, counts
-
-
-def chi_square_pvalue(exact: dict, counts: dict, n: int) -> float:
-    """Pearson's chi-square of counts against n * exact, cells with expected < 5 pooled into one."""
-    assert set(counts) <= set(exact), "an outcome plain sampling can never produce"
-    big = [c for c in exact if exact[c] * n >= 5]
-    small = [c for c in exact if exact[c] * n < 5]
-    cells = [(n * exact[c], counts.get(c, 0)) for c in big]
-    if small:
-        cells.append((n * sum(exact[c] for c in small), sum(counts.get(c, 0) for c in small)))
-    stat = sum((o - e) ** 2 / e for e, o in cells)
-    df = len(cells) - 1
-    return float(1 - torch.special.gammainc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def test_shift_worked_example() -> None:
