@@ -73,6 +73,22 @@ def _content(value: Any, what: str) -> str:
     return value
 
 
+def _chat_turns(obj: dict, list_key: str, role_key: str, content_key: str, role_word: str) -> list[dict[str, str]]:
+    """The turns of a ShareGPT (`conversations`/`from`/`value`) or messages (`messages`/`role`/`content`) record."""
+    turns = obj.get(list_key)
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"'{list_key}' must be a non-empty list")
+    msgs = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or role_key not in t or content_key not in t:
+            raise ValueError(f"{list_key}[{i}] needs '{role_key}' and '{content_key}'")
+        role = _ROLE.get(str(t[role_key]).lower())
+        if role is None:
+            raise ValueError(f"{list_key}[{i}]: unknown {role_word} '{t[role_key]}'")
+        msgs.append({"role": role, "content": _content(t[content_key], f"{list_key}[{i}].{content_key}")})
+    return msgs
+
+
 def parse_record(obj: Any, fmt: str, default_id: str) -> Record:
     """Normalise one parsed JSON object to a Record (raises ValueError with the reason)."""
     if not isinstance(obj, dict):
@@ -81,31 +97,9 @@ def parse_record(obj: Any, fmt: str, default_id: str) -> Record:
         fmt = detect_format(obj)
     rid = str(obj.get("id", obj.get("question_id", obj.get("task_id", default_id))))
     if fmt == "sharegpt":
-        turns = obj.get("conversations")
-        if not isinstance(turns, list) or not turns:
-            raise ValueError("'conversations' must be a non-empty list")
-        msgs = []
-        for i, t in enumerate(turns):
-            if not isinstance(t, dict) or "from" not in t or "value" not in t:
-                raise ValueError(f"conversations[{i}] needs 'from' and 'value'")
-            role = _ROLE.get(str(t["from"]).lower())
-            if role is None:
-                raise ValueError(f"conversations[{i}]: unknown speaker '{t['from']}'")
-            msgs.append({"role": role, "content": _content(t["value"], f"conversations[{i}].value")})
-        return Record(rid, msgs)
+        return Record(rid, _chat_turns(obj, "conversations", "from", "value", "speaker"))
     if fmt == "messages":
-        turns = obj.get("messages")
-        if not isinstance(turns, list) or not turns:
-            raise ValueError("'messages' must be a non-empty list")
-        msgs = []
-        for i, t in enumerate(turns):
-            if not isinstance(t, dict) or "role" not in t or "content" not in t:
-                raise ValueError(f"messages[{i}] needs 'role' and 'content'")
-            role = _ROLE.get(str(t["role"]).lower())
-            if role is None:
-                raise ValueError(f"messages[{i}]: unknown role '{t['role']}'")
-            msgs.append({"role": role, "content": _content(t["content"], f"messages[{i}].content")})
-        return Record(rid, msgs)
+        return Record(rid, _chat_turns(obj, "messages", "role", "content", "role"))
     if fmt == "mtbench":
         turns = obj.get("turns")
         if not isinstance(turns, list) or not turns:
