@@ -14,7 +14,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 cd "$repo"
 RUN_DIR=${1:-$(mktemp -d /tmp/draftheads-requeue.XXXXXX)}
-STEPS=${STEPS:-8}
+STEPS=${STEPS:-60}  # enough steps that the signal lands mid-run even when a step takes ~0.1 s
 TIMEOUT_S=${TIMEOUT_S:-600}
 
 started_cluster=0
