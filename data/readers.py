@@ -118,6 +118,15 @@ def parse_record(obj: Any, fmt: str, default_id: str) -> Record:
     raise ValueError(f"unknown format '{fmt}' (known: {', '.join(FORMATS)})")
 
 
+def _malformed(reason: str, skip_malformed: bool, stats: ReadStats) -> None:
+    """Raise DataError for a malformed record, or count it (keeping the first few reasons) when skipping."""
+    if not skip_malformed:
+        raise DataError(reason)
+    stats.skipped += 1
+    if len(stats.errors) < 5:
+        stats.errors.append(reason)
+
+
 def _open_text(path: Path) -> Iterable[str]:
     if path.suffix == ".gz":
         return gzip.open(path, "rt", encoding="utf-8")
@@ -138,12 +147,7 @@ def _iter_jsonl(path: Path, fmt: str, skip_malformed: bool, stats: ReadStats) ->
                 yield parse_record(obj, fmt, f"{path.stem}-{lineno}")
                 stats.read += 1
             except ValueError as e:
-                reason = f"{path}:{lineno}: {e}"
-                if not skip_malformed:
-                    raise DataError(reason) from None
-                stats.skipped += 1
-                if len(stats.errors) < 5:
-                    stats.errors.append(reason)
+                _malformed(f"{path}:{lineno}: {e}", skip_malformed, stats)
 
 
 def iter_records(
@@ -177,12 +181,7 @@ def iter_records(
             yield parse_record(obj, "auto", f"{p.name}-{i}")
             stats.read += 1
         except ValueError as e:
-            reason = f"{path}[{split}] record {i}: {e}"
-            if not skip_malformed:
-                raise DataError(reason) from None
-            stats.skipped += 1
-            if len(stats.errors) < 5:
-                stats.errors.append(reason)
+            _malformed(f"{path}[{split}] record {i}: {e}", skip_malformed, stats)
 
 
 def read_records(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from exactness import chi_square_pvalue, exact_and_empirical
+from drafters_common import chi_square_pvalue, exact_and_empirical, make_batch
 
 from data.config import TargetConfig
 from data.features import forward_features
@@ -30,20 +30,6 @@ def targets(tiny_target):
     for name in ("tiny-random-qwen2", "tiny-random-gemma3"):
         out[name] = load_target(TargetConfig(name_or_path=name, device="cpu"))
     return out
-
-
-def make_batch(model, seqs: list[list[int]], prompt_len: int = 4) -> dict[str, torch.Tensor]:
-    """Right-padded batch of `seqs` with features; tokens from `prompt_len` on are loss-masked in."""
-    T = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.tensor(s)
-        attn[b, : len(s)] = 1
-    loss_mask = attn.clone()
-    loss_mask[:, :prompt_len] = 0
-    feats, _ = forward_features(model, ids, attn)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "last": feats.last}
 
 
 def overfit(head, batch, target, steps: int, lr: float = 1e-2) -> tuple[list[float], dict[str, float]]:

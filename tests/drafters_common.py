@@ -1,4 +1,4 @@
-"""Shared helpers for the drafter sampling-exactness tests: exact law of plain sampling vs speculative counts.
+"""Shared helpers for the drafter tests: feature batches, exact law of plain sampling vs speculative counts.
 
 Imported by tests/test_medusa.py and tests/test_mtp.py (not a test module itself).
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from data.features import forward_features
 from eval.decoder import speculative_generate, target_distribution
 
 
@@ -47,3 +48,17 @@ def chi_square_pvalue(exact: dict, counts: dict, n: int) -> float:
     stat = sum((o - e) ** 2 / e for e, o in cells)
     df = len(cells) - 1
     return float(1 - torch.special.gammainc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def make_batch(model, seqs: list[list[int]], prompt_len: int = 4) -> dict[str, torch.Tensor]:
+    """Right-padded batch of `seqs` with features; tokens from `prompt_len` on are loss-masked in."""
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s)
+        attn[b, : len(s)] = 1
+    loss_mask = attn.clone()
+    loss_mask[:, :prompt_len] = 0
+    feats, _ = forward_features(model, ids, attn)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "last": feats.last}
