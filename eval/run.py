@@ -268,6 +268,14 @@ def evaluate(
     # Calibration: acceptance per depth at k = 8 and the draft cost line (fixed + per token), off-benchmark.
     cal = calibrate(model, factory(8)(), calibration_prompts(tok, device), k=8, max_new_tokens=32, eos_token_id=eos)
     best_k, best_speedup = choose_k(cal.acceptance, verify, cal.draft_cost, k_max=8, draft_rate=cal.draft_rate)
+    if best_k > 0 and max(cal.stats.nodes_per_pass, default=0) > 8:
+        # A tree verifies more nodes than its depth, which choose_k (a chain model) does not price: re-run the
+        # calibration at the chosen depth and price its real node counts; plain decoding wins if it is faster.
+        check = calibrate(model, factory(best_k)(), calibration_prompts(tok, device), k=best_k, max_new_tokens=32,
+                          eos_token_id=eos)
+        best_speedup = ideal_speedup(check.stats, verify, check.draft_cost)
+        if best_speedup < 1.0:
+            best_k, best_speedup = 0, 1.0
     costs: dict[str, Any] = {
         "verify_s": {str(n): v for n, v in verify.seconds.items()},
         "verify_context_tokens": verify.context_len,
