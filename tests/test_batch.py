@@ -14,15 +14,6 @@ from eval.batch import batched_generate, left_pad, sweep
 from heads.base import DraftTree
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread while these tests run: two threads on a busy 2-core machine stall each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class OracleDrafter:
     """Drafts a row's true greedy continuation (from a reference run), corrupting some tokens at random.
 

@@ -20,15 +20,6 @@ from heads.base import HeadMismatchError, family_module, save_head
 from heads.eagle import Eagle3Config
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread while these tests run: two threads on a busy 2-core machine stall each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _head(tmp_path, target, name):
     """An untrained EAGLE-3 head folder for `target` (model, tok, io): acceptance is ~0, plumbing is real."""
     _, _, io = target

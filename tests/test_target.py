@@ -18,15 +18,6 @@ from data.config import TargetConfig
 from data.features import FeatureCapture, forward_features
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run several times faster on one thread (thread hand-off costs more than the math)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("name,model_type", [("tiny-random-llama", "llama"), ("tiny-random-qwen2", "qwen2"),
                                              ("tiny-random-gemma3", "gemma3_text")])
 def test_tiny_targets_load_frozen_and_capture_features(name, model_type):
