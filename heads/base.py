@@ -123,6 +123,27 @@ def target_fingerprint(config: Any, embed_weight: torch.Tensor) -> str:
     return h.hexdigest()[:16]
 
 
+def shift_targets(input_ids: torch.Tensor, valid: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token `shift` positions ahead of each position, and whether it may be learnt.
+
+    Returns (ids [B,T] long, mask [B,T] bool): ids[t] = input_ids[t+shift] and mask[t] = valid[t+shift],
+    padded at the end where t+shift runs past the sequence (id 0, mask 0). `valid` should already combine
+    loss_mask and attention_mask: position t+shift must be a learnable, real token. Medusa head i uses
+    shift 2+i; MTP step k embeds x[t+k] (shift k) and predicts x[t+1+k] (shift 1+k).
+    Worked example, shift 2 with tokens [A0 A1 A2 A3] all valid: ids [A2 A3 pad pad], mask [1 1 0 0];
+    shift 1: [A1 A2 A3 pad]. Raises ValueError for shift < 1 (a head never predicts its own or an
+    earlier token).
+    """
+    if shift < 1:
+        raise ValueError(f"shift must be >= 1 (token t+shift read at position t), got {shift}")
+    ids = torch.zeros_like(input_ids)
+    mask = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
+    if shift < input_ids.shape[1]:
+        ids[:, :-shift] = input_ids[:, shift:]
+        mask[:, :-shift] = valid[:, shift:].bool()
+    return ids, mask
+
+
 # ----------------------------------------------------------------------------------------------- drafting
 @dataclass
 class DraftTree:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import DraftTree, Features, HeadConfig, TargetIO
+from heads.base import DraftTree, Features, HeadConfig, TargetIO, shift_targets
 from heads.tree import DEFAULT_CHOICES, StaticTree
 
 
@@ -40,25 +40,6 @@ class MedusaConfig(HeadConfig):
 
 
 CONFIGS = {"medusa": MedusaConfig}
-
-def shift_targets(input_ids: torch.Tensor, valid: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labels and mask for a prediction made at t of the token at t+shift (Medusa head i uses shift 2+i).
-
-    Returns (labels [B,T] long, mask [B,T] bool): labels[t] = input_ids[t+shift] and mask[t] = valid[t+shift],
-    both padded at the end where t+shift runs past the sequence (label 0, mask 0). Worked example, head 0
-    (shift 2) with tokens [A0 A1 A2 A3] all valid: labels [A2 A3 pad pad], mask [1 1 0 0]. `valid` should
-    already combine loss_mask and attention_mask: position t+shift must be a learnable, real token.
-    Raises ValueError for shift < 1 (a head never predicts its own or an earlier token).
-    """
-    if shift < 1:
-        raise ValueError(f"shift must be >= 1 (predicting token t+shift from position t), got {shift}")
-    labels = torch.zeros_like(input_ids)
-    mask = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
-    if shift < input_ids.shape[1]:
-        labels[:, :-shift] = input_ids[:, shift:]
-        mask[:, :-shift] = valid[:, shift:].bool()
-    return labels, mask
-
 
 class MedusaHead(nn.Module):
     """`num_heads` heads of `num_layers` residual SiLU blocks and a vocabulary projection each."""

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import DraftTree, Features, HeadConfig, TargetIO
+from heads.base import DraftTree, Features, HeadConfig, TargetIO, shift_targets
 
 
 @dataclass
@@ -64,24 +64,6 @@ def step_weights(cfg: MTPConfig) -> list[float]:
     if len(cfg.step_weights) != n:
         raise ValueError(f"head.step_weights has {len(cfg.step_weights)} entries but training unrolls {n} steps")
     return list(cfg.step_weights)
-
-
-def shift_targets(input_ids: torch.Tensor, valid: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens `shift` positions ahead and their mask: MTP step k embeds x[t+k] (shift k), predicts x[t+1+k].
-
-    Returns (ids [B,T] long, mask [B,T] bool): ids[t] = input_ids[t+shift], mask[t] = valid[t+shift], padded
-    at the end (id 0, mask 0). Worked example, step 1's label (shift 1+1 = 2) with tokens [A0 A1 A2 A3] all
-    valid: ids [A2 A3 pad pad], mask [1 1 0 0]; step 1's embedding input (shift 1): [A1 A2 A3 pad].
-    Raises ValueError for shift < 1.
-    """
-    if shift < 1:
-        raise ValueError(f"shift must be >= 1 (token t+shift read at position t), got {shift}")
-    ids = torch.zeros_like(input_ids)
-    mask = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
-    if shift < input_ids.shape[1]:
-        ids[:, :-shift] = input_ids[:, shift:]
-        mask[:, :-shift] = valid[:, shift:].bool()
-    return ids, mask
 
 
 class KVCache:
