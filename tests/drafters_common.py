@@ -62,3 +62,14 @@ def make_batch(model, seqs: list[list[int]], prompt_len: int = 4) -> dict[str, t
     loss_mask[:, :prompt_len] = 0
     feats, _ = forward_features(model, ids, attn)
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "last": feats.last}
+
+
+def assert_sampling_exact(model, prompt: list[int], make_drafter, samples: int = 600) -> None:
+    """Speculative sampling (temperature 1, top-3, k 2, 4 new tokens) must follow plain sampling's law.
+
+    Fixed seeds make it deterministic; a drafter whose q did not match its drafts, or a verifier that
+    resampled from p after a rejection, fails it (chi-square p-value far below 1e-3).
+    """
+    exact, counts = exact_and_empirical(model, prompt, make_drafter, k=2, n_new=4, top_k=3, samples=samples)
+    pv = chi_square_pvalue(exact, counts, samples)
+    assert pv > 1e-3, f"chi-square p = {pv:.2e}"
