@@ -77,6 +77,13 @@ def _metrics(out: Path) -> tuple[int, list[float]]:
     return world, [r["loss"] for r in train]
 
 
+def _placement(out: Path) -> dict[str, object]:
+    """The frozen target's placement recorded in the start event (rank 0's numbers)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in rows if r["event"] == "start")
+    return {k: start[k] for k in ("target_placement", "target_layer_params", "target_layer_params_local")}
+
+
 def _digests(out: Path) -> list[str]:
     return [p.read_text().strip() for p in sorted(out.glob("final_params_digest.rank*.txt"))]
 
@@ -130,8 +137,9 @@ def test_launcher_configs_parse_and_say_what_they_shard() -> None:
             # accelerate can only fill hidden-size-based "auto" entries from a transformers model; heads
             # are plain modules, so those must be numbers.
             assert "auto" not in json.dumps(ds["zero_optimization"]), ds_file
-            # The target must not be built partitioned (the loop runs it outside any engine).
-            assert raw["deepspeed_config"]["zero3_init_flag"] is False, name
+            # Says what happens to a transformers model built under the config (train/placement.py
+            # decides the target's placement itself either way).
+            assert raw["deepspeed_config"]["zero3_init_flag"] is (stage == 3), name
         if dist == "FSDP":
             assert raw["fsdp_config"]["fsdp_version"] == 2
 
@@ -153,9 +161,20 @@ def test_deepspeed_zero_on_cpu_matches_ddp(tmp_path: Path, accel_config: str) ->
     world_d, loss_d = _metrics(ddp)
     world_z, loss_z = _metrics(zero)
     assert world_d == world_z == 2
+    # With ZeRO-3 the target computes the features sharded; the same losses mean the same features.
     assert loss_z == pytest.approx(loss_d, rel=1e-4, abs=1e-5)
+    pd, pz = _placement(ddp), _placement(zero)
+    assert pd["target_placement"] == "replicated" and pd["target_layer_params_local"] == pd["target_layer_params"]
+    assert pz["target_layer_params"] == pd["target_layer_params"] > 0
     if accel_config == "deepspeed_zero2.yaml":
         d = _digests(zero)
         assert len(d) == 2 and d[0] == d[1], "ZeRO-2 replicates parameters: both ranks must hold the same head"
+        assert pz == pd, "ZeRO-2 replicates the frozen target"
+    else:
+        # Each of the 2 ranks stores its half of every decoder-layer weight (partitions are padded to
+        # an even split, hence the small slack).
+        assert pz["target_placement"] == "zero3"
+        full, local = int(pz["target_layer_params"]), int(pz["target_layer_params_local"])
+        assert full / 2 <= local <= full / 2 + 64, pz
     # Under ZeRO-3 each rank holds a shard; the head folder must still hold the full gathered weights.
     _assert_heads_close(ddp, zero, atol=1e-5)

@@ -75,6 +75,7 @@ from torch import nn
 
 from data.config import ConfigError, RunConfig, parse_args, save_config, to_dict
 from heads.base import HeadMismatchError, TargetIO, family_module, save_head
+from train.placement import load_frozen_target
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 KEEP_CHECKPOINTS = 2
@@ -268,21 +269,6 @@ class LossModule(nn.Module):
         return self.loss_fn(self.head, batch, self.target)
 
 
-def load_frozen_target(cfg: RunConfig, device: torch.device, online: bool) -> tuple[nn.Module | None, Any, TargetIO]:
-    """(model or None, tokenizer, TargetIO). Offline runs keep only the pieces heads use."""
-    from dataclasses import replace
-
-    from data.target import decoder_layers, load_target
-
-    tcfg = replace(cfg.target, device=str(device))
-    model, tok, io = load_target(tcfg)
-    if online:
-        return model, tok, io
-    layers = decoder_layers(model)
-    del layers[: len(layers) - 1]  # io.last_layer still points at the last one
-    return None, tok, io
-
-
 def _latest_checkpoint(out: Path) -> Path | None:
     ckpts = sorted(p for p in (out / "checkpoints").glob("step-*") if (p / "progress.json").is_file())
     return ckpts[-1] if ckpts else None
@@ -331,12 +317,8 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
             save_config(cfg, out)
         online = cfg.features.mode == "online"
         ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-        if ds_plugin is not None:
-            # The frozen target must stay whole: ZeRO-3 init would partition it outside any engine.
-            with ds_plugin.zero3_init_context_manager(enable=False):
-                model, tok, target = load_frozen_target(cfg, accelerator.device, online)
-        else:
-            model, tok, target = load_frozen_target(cfg, accelerator.device, online)
+        frozen = load_frozen_target(cfg, accelerator, online)
+        model, tok, target = frozen.model, frozen.tokenizer, frozen.io
         with accelerator.main_process_first():
             train_ds, hold_ds = build_datasets(cfg, tok)
         layer_ids = list(mod.feature_layers(cfg.head, target.config))
@@ -390,7 +372,7 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
                    "per_process_batch": plan.batch_size, "global_batch_size": plan.global_batch,
                    "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps,
                    "train_conversations": len(train_ds), "holdout_conversations": len(hold_ds),
-                   "features": cfg.features.mode, "resumed_from": str(ckpt) if ckpt else None, "start_step": start})
+                   "features": cfg.features.mode, **frozen.stats(), "resumed_from": str(ckpt) if ckpt else None, "start_step": start})
 
         def evaluate(step: int) -> dict[str, float]:
             if hold_fs is None:
@@ -510,6 +492,12 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
         accelerator.wait_for_everyone()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+            # accelerate told transformers "DeepSpeed"; a later model load in this process (eval_at_end)
+            # must build an ordinary model.
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
 
 
 # ----------------------------------------------------------------------------------------------- CLI
