@@ -117,6 +117,77 @@ def test_two_processes_with_half_batch_match_one_process(tmp_path: Path) -> None
     _assert_heads_close(one, two, atol=1e-6)
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("accel_config", ["ddp.yaml", "fsdp.yaml"])
+def test_unsynchronised_launch_is_refused(tmp_path: Path, accel_config: str) -> None:
+    """Without GPUs accelerate runs ddp.yaml (without ACCELERATE_USE_CPU) and fsdp.yaml as N independent
+    copies with no error; the loop must refuse instead of training N unsynchronised heads."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine these configs do synchronise")
+    proc = _launch(accel_config, tmp_path / "run", _env())
+    text, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, text[-2000:]
+    assert "accelerate runs them unsynchronised" in text and "ACCELERATE_USE_CPU=1" in text, text[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+FSDP_SCRIPT = """
+import json, sys, types
+import torch
+torch.distributed.init_process_group("gloo")
+from accelerate.utils import DistributedType
+from data.config import RunConfig
+from data.features import forward_features
+from data.target import load_model
+from train.placement import layer_param_counts, load_frozen_target
+
+rank = torch.distributed.get_rank()
+cfg = RunConfig()
+cfg.target.name_or_path = "tiny-random-llama"
+ref = load_model(cfg.target)
+# accelerate only selects FSDP with GPUs; this stands in for its Accelerator (what load_frozen_target reads).
+acc = types.SimpleNamespace(device=torch.device("cpu"), distributed_type=DistributedType.FSDP,
+                            state=types.SimpleNamespace())
+frozen = load_frozen_target(cfg, acc, online=True)
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(3, 200, (2, 12), generator=g)
+mask = torch.ones_like(ids)
+mask[1, :4] = 0  # left padding in the second row
+diffs = []
+for _ in range(2):  # the second forward runs on resharded layers
+    a, _ = forward_features(frozen.model, ids, mask, [1, 2])
+    b, _ = forward_features(ref, ids, mask, [1, 2])
+    diffs += [float((a.last - b.last).abs().max()), float((a.aux - b.aux).abs().max())]
+full, local = layer_param_counts(frozen.model)  # after the forwards: still sharded?
+io_plain = all(not hasattr(p, "to_local") for m in (frozen.io.embed, frozen.io.lm_head, frozen.io.norm,
+                                                    frozen.io.last_layer) for p in m.parameters())
+x = torch.randn(2, 5, 64, generator=g, requires_grad=True)
+frozen.io.lm_head(frozen.io.norm(x)).logsumexp(-1).sum().backward()
+json.dump({"placement": frozen.placement, "stats": frozen.stats(), "diffs": diffs, "full": full, "local": local,
+           "io_plain": io_plain, "grad_ok": bool(x.grad is not None and x.grad.abs().sum() > 0)},
+          open(sys.argv[1] + f"/rank{rank}.json", "w"))
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.distributed
+def test_fsdp_target_placement_shards_layers_and_keeps_features(tmp_path: Path) -> None:
+    """train/placement.py under FSDP (2 gloo processes): every decoder layer is a FSDP2 unit holding half of
+    its weights on each rank, before and after forwards, and the features equal the whole model's."""
+    script = tmp_path / "fsdp_target.py"
+    script.write_text(FSDP_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _finish(proc, "FSDP placement script", timeout=300)
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for row in rows:
+        assert row["placement"] == "fsdp" and row["stats"]["target_placement"] == "fsdp"
+        assert max(row["diffs"]) <= 1e-6, row["diffs"]
+        assert row["local"] * 2 == row["full"] == 147968, row  # the tiny Llama's 2 layers, split in two
+        assert row["io_plain"] and row["grad_ok"]
+
+
 def test_launcher_configs_parse_and_say_what_they_shard() -> None:
     from accelerate.commands.config.config_args import load_config_from_file
 

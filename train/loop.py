@@ -275,10 +275,13 @@ def _latest_checkpoint(out: Path) -> Path | None:
 
 
 def params_digest(module: nn.Module) -> str:
+    """SHA-256 of the parameters this process holds (its shard under ZeRO-3 / FSDP)."""
     h = hashlib.sha256()
     for name, p in sorted(module.named_parameters()):
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
         h.update(name.encode())
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(t.float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -306,6 +309,13 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
     kwargs = [InitProcessGroupKwargs(backend="gloo")] if multi and not torch.cuda.is_available() else []
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, kwargs_handlers=kwargs)
+    if multi and accelerator.distributed_type == DistributedType.NO:
+        # accelerate started the processes but syncs nothing between them: each would train its own copy.
+        raise TrainError(
+            f"{os.environ['WORLD_SIZE']} processes were started, but accelerate runs them unsynchronised "
+            f"(distributed type NO). Without GPUs: ddp.yaml needs ACCELERATE_USE_CPU=1 in the environment, "
+            f"the DeepSpeed configs work as they are, and fsdp.yaml cannot run (accelerate enables FSDP on "
+            f"GPUs only)")
     world, rank = accelerator.num_processes, accelerator.process_index
     main_proc = accelerator.is_main_process
     stop = {"signal": None}

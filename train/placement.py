@@ -15,13 +15,17 @@ module, and for MTP the last decoder layer as a template (heads.base.TargetIO).
 |                                 | inside a DeepSpeed ZeRO-3 engine with no     |                 |
 |                                 | optimizer that gathers each layer's weights  |                 |
 |                                 | just in time and frees them after            |                 |
-| fsdp.yaml (FSDP2)               | sharded: fully_shard on every decoder layer  | replicated      |
+| fsdp.yaml (FSDP2, GPUs only)    | sharded: fully_shard on every decoder layer  | replicated      |
 | features.mode=offline (any)     | not loaded (the store holds the features)    | replicated      |
 
 The pieces stay whole on every process because heads call them outside any engine and every step needs
 them; they are the embedding and lm_head matrices plus one layer, which is also all an offline run keeps.
 Under ZeRO-3 even an offline run builds the target partitioned, copies the pieces out, and drops the
 rest, so no process ever holds a whole big target.
+
+FSDP2 shards the decoder layers only, each its own unit: sharding the root too would turn the embedding
+and lm_head into DTensors that fail when the loss calls them outside the root's forward. Under FSDP the
+last decoder layer in TargetIO is a whole copy taken before sharding (MTP deep-copies it as a template).
 
 Tiny in-process targets (tiny-random-*) are built whole from their fixed seed and partitioned afterwards:
 DeepSpeed's partitioned construction draws the random weights in another order, and a tiny target must
@@ -116,6 +120,20 @@ def _replicated_io(model: nn.Module, name: str) -> TargetIO:
     return replace(io, **{k: whole[k] for k in pieces})
 
 
+def shard_layers_fsdp(model: nn.Module) -> None:
+    """FSDP2-shard every decoder layer of a frozen target in place (run on every process of the group).
+
+    reshard_after_forward must be given: a layer that runs without a wrapped parent is its own FSDP root,
+    and roots otherwise keep their gathered weights after the first forward (the whole target again).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from data.target import decoder_layers
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=True)
+
+
 def load_frozen_target(cfg: RunConfig, accelerator: Any, online: bool) -> FrozenTarget:
     """Load cfg.target for training and place it as the table in the module docstring says."""
     from data.target import TINY_NAMES, decoder_layers, load_model, load_tokenizer, target_io
@@ -150,6 +168,13 @@ def load_frozen_target(cfg: RunConfig, accelerator: Any, online: bool) -> Frozen
         layers = decoder_layers(model)
         del layers[: len(layers) - 1]  # io.last_layer still points at the last one
         return FrozenTarget(None, tok, io, "none", 0, 0)
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        io = replace(io, last_layer=copy.deepcopy(io.last_layer))
+        shard_layers_fsdp(model)
+        full, local = layer_param_counts(model)
+        return FrozenTarget(model, tok, io, "fsdp", full, local)
     full, local = layer_param_counts(model)
     return FrozenTarget(model, tok, io, "replicated", full, local)
 
