@@ -3,8 +3,11 @@
 #   ./scripts/test.sh                 # default suite (no GPU, no hub; a few minutes on 2 cores)
 #   ./scripts/test.sh -m slow         # extra arguments go to pytest (here: the real-model and long tests)
 #   ./scripts/test.sh -m slurm        # the real SLURM scheduler test (root; installs slurm-wlm + munge)
-# Under CI (CI=true, as root, with apt) the real single-node SLURM test runs too, after the default suite:
-# it installs Debian's slurm-wlm and munge if missing, then starts, uses and stops a private cluster.
+# Under CI (CI=true, as root, with apt) two more stages run after the default suite:
+#  - DeepSpeed ZeRO-2/3 on CPU (tests/test_distributed.py -m slow): installs the `deepspeed` extra (needs a
+#    C++ compiler: DeepSpeed compiles its CPU comm extension on first use, 1-5 minutes);
+#  - the real single-node SLURM test: installs Debian's slurm-wlm and munge if missing, then starts, uses
+#    and stops a private cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_env.sh dev
@@ -21,6 +24,11 @@ if [ "${1:-}" = "-m" ] && [ "${2:-}" = "slurm" ]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"
+if [ "${CI:-}" = "true" ] && [ "$#" -eq 0 ]; then
+  echo "== CI: DeepSpeed ZeRO-2/3 on CPU against DDP (tests/test_distributed.py -m slow)"
+  ./scripts/setup_env.sh dev,deepspeed
+  .venv/bin/python -m pytest -q -m "slow and distributed" tests/test_distributed.py
+fi
 if [ "${CI:-}" = "true" ] && [ "$#" -eq 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   echo "== CI: real single-node SLURM scheduler test (tests/test_slurm.py)"
   need_slurm
