@@ -72,7 +72,9 @@ class FeatureCapture:
         """The features of the last forward pass run inside the context."""
         if self._last is None:
             raise RuntimeError("FeatureCapture: no forward pass was recorded")
-        aux = torch.cat([self._aux[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+        # With a device map (target.device_map) the layers sit on different GPUs: gather where `last` is.
+        dev = self._last.device
+        aux = torch.cat([self._aux[i].to(dev) for i in self.layer_ids], dim=-1) if self.layer_ids else None
         feats = Features(last=self._last, aux=aux)
         self._aux, self._last = {}, None
         return feats

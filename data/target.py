@@ -197,6 +197,12 @@ def load_model(cfg: TargetConfig) -> nn.Module:
             torch.manual_seed(TINY_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model = model.to(dtype)
+        if cfg.device_map:
+            from accelerate import dispatch_model, infer_auto_device_map
+
+            # The same placement from_pretrained(device_map=...) gives a real checkpoint.
+            plan = infer_auto_device_map(model, no_split_module_classes=model._no_split_modules, dtype=dtype)
+            model = dispatch_model(model, device_map=plan)
     else:
         kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code)
         if name == "smollm2-135m":
@@ -214,13 +220,16 @@ def load_model(cfg: TargetConfig) -> nn.Module:
             else:
                 kwargs["use_safetensors"] = True
             _check_local(name)
+        if cfg.device_map:
+            kwargs["device_map"] = cfg.device_map
         try:
             model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
         except (OSError, ValueError) as e:
             raise TargetLoadError(f"target.name_or_path '{name}': cannot load model ({_reason(e)})") from None
         if getattr(model.config, "quantization_config", None) is not None and kwargs.get("gguf_file"):
             del model.config.quantization_config  # GGUF weights are dequantized; the entry blocks saving
-    model.to(resolve_device(cfg.device))
+    if not cfg.device_map:  # with a device map the layers already sit where the map put them
+        model.to(resolve_device(cfg.device))
     model.eval()
     model.requires_grad_(False)
     return model

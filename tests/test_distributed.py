@@ -284,3 +284,18 @@ def test_zero3_mtp_resume_matches_uninterrupted(tmp_path: Path) -> None:
     assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [1, 2, 3, 4]
     assert [b[s] for s in (1, 2, 3, 4)] == pytest.approx([a[s] for s in (1, 2, 3, 4)], rel=1e-5, abs=1e-6)
     assert _placement(split)["target_placement"] == "zero3"
+
+
+def test_device_map_target_refused_with_several_training_processes() -> None:
+    """A device-mapped target is one whole model spread over a process's GPUs; N training processes would
+    each load all of it. The loop says to shard with ZeRO-3 / FSDP instead."""
+    import types
+
+    from data.config import ConfigError, RunConfig
+    from train.placement import load_frozen_target
+
+    cfg = RunConfig()
+    cfg.target.name_or_path, cfg.target.device_map = "tiny-random-llama", "auto"
+    acc = types.SimpleNamespace(num_processes=2, device=torch.device("cpu"), state=types.SimpleNamespace())
+    with pytest.raises(ConfigError, match=r"target.device_map 'auto' .* with 2 processes use ZeRO-3 or FSDP"):
+        load_frozen_target(cfg, acc, online=True)

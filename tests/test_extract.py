@@ -272,3 +272,28 @@ def test_accelerate_launch_two_ranks(tmp_path: Path) -> None:
     m = read_json(tmp_path / "run" / "features" / "train" / MANIFEST)
     assert {s["file"][:17] for s in m["shards"]} == {"shard-r0000of0002", "shard-r0001of0002"}
     assert m["num_samples"] == 16
+
+
+# ----------------------------------------------------------------------------------------------- device map
+def test_device_map_target_gives_the_same_features(tiny_target) -> None:
+    """target.device_map loads through accelerate's dispatch (on this CPU machine every layer lands on the
+    CPU, so this checks the plumbing, not a split over GPUs): same features as the plain load."""
+    from data.config import TargetConfig
+    from data.features import forward_features
+    from data.target import load_model
+
+    plain = tiny_target[0]
+    mapped = load_model(TargetConfig(name_or_path="tiny-random-llama", device="cpu", device_map="auto"))
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(1))
+    a, _ = forward_features(plain, ids, None, [1, 2])
+    b, _ = forward_features(mapped, ids, None, [1, 2])
+    assert torch.equal(a.last, b.last) and torch.equal(a.aux, b.aux)
+
+
+def test_device_map_with_several_processes_is_refused(tmp_path: Path, monkeypatch) -> None:
+    cfg = make_cfg(tmp_path / "run", write_conversations(tmp_path / "c.jsonl", 4))
+    cfg.target.device_map = "auto"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"target.device_map 'auto' .* one process per node .* not 2"):
+        run(cfg)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.safetensors"))
