@@ -45,8 +45,9 @@ class TargetConfig:
     gguf_file: str | None = None  # GGUF file name inside name_or_path (hub id or folder)
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
-    # "auto" (or balanced, sequential): split the target's layers over every GPU this process sees, for a
-    # target bigger than one GPU; one process per node then (data.extract refuses more). `device` is unused.
+    # "auto" (or balanced, sequential): split the target's layers over every GPU this process sees, to
+    # extract features of a target bigger than one GPU (one process per node; data.extract refuses more).
+    # `device` is then unused. Training refuses it (ZeRO-3 / FSDP shard the target there).
     device_map: str | None = None
     trust_remote_code: bool = False  # never set unless you trust the repository's code
 

@@ -286,9 +286,9 @@ def test_zero3_mtp_resume_matches_uninterrupted(tmp_path: Path) -> None:
     assert _placement(split)["target_placement"] == "zero3"
 
 
-def test_device_map_target_refused_with_several_training_processes() -> None:
-    """A device-mapped target is one whole model spread over a process's GPUs; N training processes would
-    each load all of it. The loop says to shard with ZeRO-3 / FSDP instead."""
+def test_device_map_target_refused_in_training() -> None:
+    """A device map scatters the embedding and lm_head the heads call over GPUs; the loop refuses it and
+    says to shard with ZeRO-3 / FSDP instead (the map is for extraction)."""
     import types
 
     from data.config import ConfigError, RunConfig
@@ -297,5 +297,5 @@ def test_device_map_target_refused_with_several_training_processes() -> None:
     cfg = RunConfig()
     cfg.target.name_or_path, cfg.target.device_map = "tiny-random-llama", "auto"
     acc = types.SimpleNamespace(num_processes=2, device=torch.device("cpu"), state=types.SimpleNamespace())
-    with pytest.raises(ConfigError, match=r"target.device_map 'auto' .* with 2 processes use ZeRO-3 or FSDP"):
+    with pytest.raises(ConfigError, match=r"target.device_map 'auto' is for extraction .* ZeRO-3 or FSDP"):
         load_frozen_target(cfg, acc, online=True)

@@ -138,9 +138,10 @@ def load_frozen_target(cfg: RunConfig, accelerator: Any, online: bool) -> Frozen
     """Load cfg.target for training and place it as the table in the module docstring says."""
     from data.target import TINY_NAMES, decoder_layers, load_model, load_tokenizer, target_io
 
-    if cfg.target.device_map and accelerator.num_processes > 1:
-        raise ConfigError(f"target.device_map '{cfg.target.device_map}' spreads one whole target over a process's "
-                          f"GPUs; with {accelerator.num_processes} processes use ZeRO-3 or FSDP to shard it instead")
+    if cfg.target.device_map:
+        # Heads call the embedding and lm_head on the training device; a device map would scatter them.
+        raise ConfigError(f"target.device_map '{cfg.target.device_map}' is for extraction (python -m data.extract); "
+                          f"training places the target itself: use ZeRO-3 or FSDP to shard a big one")
     tcfg = replace(cfg.target, device=str(accelerator.device))
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     zero3 = plugin is not None and int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)) == 3
