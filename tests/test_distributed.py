@@ -81,7 +81,8 @@ def _placement(out: Path) -> dict[str, object]:
     """The frozen target's placement recorded in the start event (rank 0's numbers)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     start = next(r for r in rows if r["event"] == "start")
-    return {k: start[k] for k in ("target_placement", "target_layer_params", "target_layer_params_local")}
+    return {k: start[k] for k in ("distributed_type", "target_placement", "target_layer_params",
+                                  "target_layer_params_local")}
 
 
 def _digests(out: Path) -> list[str]:
@@ -118,8 +119,11 @@ def test_two_processes_with_half_batch_match_one_process(tmp_path: Path) -> None
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("accel_config", ["ddp.yaml", "fsdp.yaml"])
-def test_unsynchronised_launch_is_refused(tmp_path: Path, accel_config: str) -> None:
+@pytest.mark.parametrize(("accel_config", "message"), [
+    ("ddp.yaml", "accelerate runs them unsynchronised"),
+    ("fsdp.yaml", "asks for FSDP, but accelerate runs NO"),
+])
+def test_unsynchronised_launch_is_refused(tmp_path: Path, accel_config: str, message: str) -> None:
     """Without GPUs accelerate runs ddp.yaml (without ACCELERATE_USE_CPU) and fsdp.yaml as N independent
     copies with no error; the loop must refuse instead of training N unsynchronised heads."""
     if torch.cuda.is_available():
@@ -127,8 +131,27 @@ def test_unsynchronised_launch_is_refused(tmp_path: Path, accel_config: str) -> 
     proc = _launch(accel_config, tmp_path / "run", _env())
     text, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0, text[-2000:]
-    assert "accelerate runs them unsynchronised" in text and "ACCELERATE_USE_CPU=1" in text, text[-2000:]
+    assert message in text and "ACCELERATE_USE_CPU=1" in text, text[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_check_launch_names_what_accelerate_changed() -> None:
+    """What `accelerate launch` asked for (its environment) against what accelerate chose."""
+    from accelerate.utils import DistributedType as D
+
+    from train.loop import TrainError, check_launch
+
+    ds, fsdp = {"ACCELERATE_USE_DEEPSPEED": "true"}, {"ACCELERATE_USE_FSDP": "true"}
+    check_launch(D.NO, multi=False, env={})  # plain single process
+    check_launch(D.MULTI_CPU, multi=True, env={"WORLD_SIZE": "2"})  # ddp.yaml + ACCELERATE_USE_CPU=1
+    check_launch(D.DEEPSPEED, multi=True, env={**ds, "WORLD_SIZE": "2"})
+    check_launch(D.FSDP, multi=True, env={**fsdp, "WORLD_SIZE": "8"})
+    with pytest.raises(TrainError, match="asks for DeepSpeed, but accelerate runs MULTI_CPU: unset ACCELERATE_USE_CPU"):
+        check_launch(D.MULTI_CPU, multi=True, env={**ds, "WORLD_SIZE": "2"})
+    with pytest.raises(TrainError, match="asks for FSDP, but accelerate runs MULTI_CPU"):
+        check_launch(D.MULTI_CPU, multi=True, env={**fsdp, "WORLD_SIZE": "2"})
+    with pytest.raises(TrainError, match="^2 processes were started, but accelerate runs them unsynchronised"):
+        check_launch(D.NO, multi=True, env={"WORLD_SIZE": "2"})
 
 
 FSDP_SCRIPT = """
@@ -235,6 +258,7 @@ def test_deepspeed_zero_on_cpu_matches_ddp(tmp_path: Path, accel_config: str) ->
     # With ZeRO-3 the target computes the features sharded; the same losses mean the same features.
     assert loss_z == pytest.approx(loss_d, rel=1e-4, abs=1e-5)
     pd, pz = _placement(ddp), _placement(zero)
+    assert (pd.pop("distributed_type"), pz.pop("distributed_type")) == ("MULTI_CPU", "DEEPSPEED")
     assert pd["target_placement"] == "replicated" and pd["target_layer_params_local"] == pd["target_layer_params"]
     assert pz["target_layer_params"] == pd["target_layer_params"] > 0
     if accel_config == "deepspeed_zero2.yaml":

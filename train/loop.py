@@ -289,6 +289,32 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def check_launch(dist: Any, multi: bool, env: dict[str, str] | None = None) -> None:
+    """Refuse a launch that accelerate would run other than asked, with no error of its own.
+
+    `accelerate launch` tells the processes what the config file asked for (ACCELERATE_USE_DEEPSPEED /
+    ACCELERATE_USE_FSDP); accelerate then silently picks something else on a CPU machine: plain CPU DDP
+    for DeepSpeed when ACCELERATE_USE_CPU=1 is set, CPU DDP or N unsynchronised copies for FSDP, and N
+    unsynchronised copies for ddp.yaml without ACCELERATE_USE_CPU=1.
+    """
+    from accelerate.utils import DistributedType
+
+    env = os.environ if env is None else env
+    n = env.get("WORLD_SIZE", "1")
+    if env.get("ACCELERATE_USE_DEEPSPEED") == "true" and dist != DistributedType.DEEPSPEED:
+        raise TrainError(f"the accelerate config asks for DeepSpeed, but accelerate runs {dist.value}: unset "
+                         f"ACCELERATE_USE_CPU (DeepSpeed runs on CPU without it)")
+    if env.get("ACCELERATE_USE_FSDP") == "true" and dist != DistributedType.FSDP:
+        raise TrainError(f"the accelerate config asks for FSDP, but accelerate runs {dist.value}: accelerate "
+                         f"enables FSDP on GPUs only; without GPUs use ddp.yaml (with ACCELERATE_USE_CPU=1) or a "
+                         f"DeepSpeed config")
+    if multi and dist == DistributedType.NO:
+        # accelerate started the processes but syncs nothing between them: each would train its own copy.
+        raise TrainError(f"{n} processes were started, but accelerate runs them unsynchronised (distributed type "
+                         f"NO). Without GPUs: ddp.yaml needs ACCELERATE_USE_CPU=1 in the environment, the DeepSpeed "
+                         f"configs work as they are, and fsdp.yaml cannot run (accelerate enables FSDP on GPUs only)")
+
+
 # ----------------------------------------------------------------------------------------------- train
 def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Train cfg.head on cfg.data; returns a summary (final held-out metrics, steps, out folder).
@@ -309,13 +335,7 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
     kwargs = [InitProcessGroupKwargs(backend="gloo")] if multi and not torch.cuda.is_available() else []
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, kwargs_handlers=kwargs)
-    if multi and accelerator.distributed_type == DistributedType.NO:
-        # accelerate started the processes but syncs nothing between them: each would train its own copy.
-        raise TrainError(
-            f"{os.environ['WORLD_SIZE']} processes were started, but accelerate runs them unsynchronised "
-            f"(distributed type NO). Without GPUs: ddp.yaml needs ACCELERATE_USE_CPU=1 in the environment, "
-            f"the DeepSpeed configs work as they are, and fsdp.yaml cannot run (accelerate enables FSDP on "
-            f"GPUs only)")
+    check_launch(accelerator.distributed_type, multi)
     world, rank = accelerator.num_processes, accelerator.process_index
     main_proc = accelerator.is_main_process
     stop = {"signal": None}
@@ -378,7 +398,8 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
             if main_proc:
                 print(f"resumed from {ckpt} at step {start}")
         log = MetricsLog(cfg, out, main_proc)
-        log.write({"event": "start", "family": cfg.head.family, "world_size": world, "grad_accum": plan.accum,
+        log.write({"event": "start", "family": cfg.head.family, "world_size": world,
+                   "distributed_type": str(accelerator.distributed_type.value), "grad_accum": plan.accum,
                    "per_process_batch": plan.batch_size, "global_batch_size": plan.global_batch,
                    "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps,
                    "train_conversations": len(train_ds), "holdout_conversations": len(hold_ds),
