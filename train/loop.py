@@ -13,9 +13,13 @@ freshly built head.
 What a run does:
 - Accelerator (DDP / DeepSpeed ZeRO-2/3 / FSDP from the accelerate config file; gloo on CPU; bf16 or fp32
   from train.mixed_precision); `accelerate.utils.set_seed(seed)` once before anything random.
-- Target: features.mode=online loads the full frozen target (it computes the features). Offline (a store
-  from `python -m data.extract`) loads the target too, takes the embedding, lm_head, final norm, last
-  decoder layer and rotary module (TargetIO), and frees every other decoder layer.
+- A launch that accelerate would silently run other than asked (DeepSpeed/FSDP config, CPU DDP or N
+  unsynchronised copies started) is refused by check_launch.
+- Target (train/placement.py): features.mode=online keeps the frozen target's decoder to compute the
+  features: replicated under one process, DDP and ZeRO-2, sharded under ZeRO-3 (partitioned, in its own
+  optimizer-free engine) and FSDP (fully_shard per layer). Offline (a store from `python -m data.extract`)
+  keeps only the pieces the heads call (TargetIO: embedding, lm_head, final norm, last decoder layer,
+  rotary module), which are whole on every process in every mode.
 - Data order is global, so the process count never changes what is learnt. Epoch e is
   `length_buckets(lengths, train.batch_size, seed + e)`: micro-batches of train.batch_size sequences. An
   optimizer step consumes world x grad_accum consecutive micro-batches; micro-batch i*world + r of the step
@@ -43,7 +47,7 @@ What a run does:
   j were accepted independently with probability top1_j; K = the steps the family reports (EAGLE-3: its
   ttt_length; EAGLE-1: 1; Medusa: its heads). Logged to metrics.jsonl and printed.
 - Logging on rank 0 only: tqdm (loss, tokens/s), OUT/metrics.jsonl (one JSON object per line: a `start`
-  event with world_size, grad_accum and global_batch_size; `train` rows every train.log_every steps with
+  event with world_size, distributed_type, grad_accum, global_batch_size and the target's placement; `train` rows every train.log_every steps with
   loss averaged over all ranks; `eval` rows; an `end` event), wandb in logging.wandb_mode (offline by
   default; `online` without stored credentials falls back to offline instead of prompting; `disabled`).
   The resolved config is written to OUT/config.yaml.
