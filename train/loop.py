@@ -47,8 +47,8 @@ What a run does:
   j were accepted independently with probability top1_j; K = the steps the family reports (EAGLE-3: its
   ttt_length; EAGLE-1: 1; Medusa: its heads). Logged to metrics.jsonl and printed.
 - Logging on rank 0 only: tqdm (loss, tokens/s), OUT/metrics.jsonl (one JSON object per line: a `start`
-  event with world_size, distributed_type, grad_accum, global_batch_size and the target's placement; `train` rows every train.log_every steps with
-  loss averaged over all ranks; `eval` rows; an `end` event), wandb in logging.wandb_mode (offline by
+  event with world_size, distributed_type, grad_accum, global_batch_size and the target's placement;
+  `train` rows every train.log_every steps with loss averaged over all ranks; `eval` rows; an `end` event), wandb in logging.wandb_mode (offline by
   default; `online` without stored credentials falls back to offline instead of prompting; `disabled`).
   The resolved config is written to OUT/config.yaml.
 - At the end every rank writes OUT/final_params_digest.rank{R}.txt: the SHA-256 of the head parameters
