@@ -118,6 +118,39 @@ def test_two_processes_with_half_batch_match_one_process(tmp_path: Path) -> None
     _assert_heads_close(one, two, atol=1e-6)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.distributed
+def test_two_machines_match_one_process(tmp_path: Path) -> None:
+    """The multi-node launch scripts/slurm/train.sbatch makes (one `accelerate launch` per node with
+    --num_machines/--machine_rank/--main_process_ip/--main_process_port), played by two launchers on this
+    host with one process each: they rendezvous into one world of 2 and train what 1 process trains."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    port = str(_free_port())
+    procs = [(_single(one), "1-process run")]
+    for machine in ("0", "1"):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / "ddp.yaml"),
+               "--num_machines", "2", "--machine_rank", machine, "--main_process_ip", "127.0.0.1",
+               "--main_process_port", port, "--num_processes", "2",
+               str(REPO / "train" / "eagle.py"), *RUN_ARGS, "--out", str(two)]
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=_env(ACCELERATE_USE_CPU="1"), stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True), f"machine {machine}"))
+    for proc, what in procs:
+        _finish(proc, what)
+    (world1, loss1), (world2, loss2) = _metrics(one), _metrics(two)
+    assert (world1, world2) == (1, 2)
+    assert loss2 == pytest.approx(loss1, rel=1e-5, abs=1e-6)
+    d2 = _digests(two)
+    assert len(d2) == 2 and d2[0] == d2[1]
+    _assert_heads_close(one, two, atol=1e-6)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(("accel_config", "message"), [
     ("ddp.yaml", "accelerate runs them unsynchronised"),
