@@ -57,6 +57,7 @@ class FrozenTarget:
     placement: str  # of the decoder stack: "replicated" | "zero3" | "fsdp" | "none" (offline: not kept)
     layer_params: int  # elements in the decoder layers' weights (0 when the model is not kept)
     layer_params_local: int  # of those, the elements this process stores
+    engine: Any = None  # ZeRO-3: the target's DeepSpeed engine, held for the run (its teardown drops the hooks)
 
     def stats(self) -> dict[str, Any]:
         """For the run's `start` event in metrics.jsonl."""
@@ -159,9 +160,9 @@ def load_frozen_target(cfg: RunConfig, accelerator: Any, online: bool) -> Frozen
         if not online:
             return FrozenTarget(None, tok, io, "none", 0, 0)
         # An engine without optimizer: its hooks gather each module's partition for its forward.
-        deepspeed.initialize(model=model, config=_target_ds_config(plugin))
+        engine, *_ = deepspeed.initialize(model=model, config=_target_ds_config(plugin))
         full, local = layer_param_counts(model)
-        return FrozenTarget(model, tok, io, "zero3", full, local)
+        return FrozenTarget(model, tok, io, "zero3", full, local, engine)
     if plugin is not None:
         with _whole_models(plugin):
             model = load_model(tcfg)
