@@ -356,3 +356,38 @@ def test_device_map_target_refused_in_training() -> None:
     acc = types.SimpleNamespace(num_processes=2, device=torch.device("cpu"), state=types.SimpleNamespace())
     with pytest.raises(ConfigError, match=r"target.device_map 'auto' is for extraction .* ZeRO-3 or FSDP"):
         load_frozen_target(cfg, acc, online=True)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero3_real_target_matches_ddp(tmp_path: Path) -> None:
+    """The packaged SmolLM2-135M (a real checkpoint, which transformers loads partitioned under ZeRO-3)
+    computes the same features sharded as replicated: 2-process ZeRO-3 and DDP log the same losses."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.fail("this test needs the deepspeed extra: pip install -e '.[deepspeed]'")
+    args = ["--config", str(REPO / "configs" / "smollm2-135m.yaml"),
+            "--data.path=data/bundled/tiny_conversations.jsonl", "--data.max_samples=24",
+            "--head.draft_vocab_size=256", "--features.mode=online", "--train.max_steps=2", "--train.batch_size=2",
+            "--train.log_every=1", "--train.eval_every=1000", "--train.eval_at_end=false"]
+
+    def launch(accel: str, out: Path, env: dict[str, str]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / accel),
+               "--num_processes", "2", "--main_process_port", "0", str(REPO / "train" / "eagle.py"), *args,
+               "--out", str(out)]
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    ddp, zero = tmp_path / "ddp", tmp_path / "zero"
+    procs = [(launch("ddp.yaml", ddp, _env(ACCELERATE_USE_CPU="1")), "DDP run"),
+             (launch("deepspeed_zero3.yaml", zero, _env()), "ZeRO-3 run")]
+    for proc, what in procs:
+        _finish(proc, what, timeout=900)
+
+    def losses(out: Path) -> list[float]:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if r["event"] == "train"]
+
+    assert len(losses(ddp)) == 2
+    assert losses(zero) == pytest.approx(losses(ddp), rel=1e-4)
+    pz = _placement(zero)
+    assert pz["target_placement"] == "zero3"
+    assert pz["target_layer_params"] / 2 <= pz["target_layer_params_local"] <= pz["target_layer_params"] / 2 + 1000
