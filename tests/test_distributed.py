@@ -45,11 +45,12 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _launch(accel_config: str, out: Path, env: dict[str, str]) -> subprocess.Popen:
-    """2 processes of train/eagle.py under `accelerate launch` with one of our launcher configs."""
+def _launch(accel_config: str, out: Path, env: dict[str, str], args: list[str] = RUN_ARGS,
+            entry: str = "eagle.py") -> subprocess.Popen:
+    """2 processes of train/<entry> under `accelerate launch` with one of our launcher configs."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / accel_config),
            "--num_processes", "2", "--main_process_port", "0",
-           str(REPO / "train" / "eagle.py"), *RUN_ARGS, "--out", str(out)]
+           str(REPO / "train" / entry), *args, "--out", str(out)]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -320,11 +321,7 @@ def test_zero3_mtp_resume_matches_uninterrupted(tmp_path: Path) -> None:
             "--optim.warmup_steps=5"]
 
     def launch(out: Path, *extra: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ACCEL / "deepspeed_zero3.yaml"), "--num_processes", "2", "--main_process_port", "0",
-               str(REPO / "train" / "mtp.py"), *args, "--out", str(out), *extra]
-        return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+        return _launch("deepspeed_zero3.yaml", out, _env(), [*args, *extra], entry="mtp.py")
 
     straight, split = tmp_path / "straight", tmp_path / "split"
     _finish(launch(straight), "uninterrupted ZeRO-3 MTP run", timeout=900)
@@ -370,15 +367,9 @@ def test_zero3_real_target_matches_ddp(tmp_path: Path) -> None:
             "--head.draft_vocab_size=256", "--features.mode=online", "--train.max_steps=2", "--train.batch_size=2",
             "--train.log_every=1", "--train.eval_every=1000", "--train.eval_at_end=false"]
 
-    def launch(accel: str, out: Path, env: dict[str, str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / accel),
-               "--num_processes", "2", "--main_process_port", "0", str(REPO / "train" / "eagle.py"), *args,
-               "--out", str(out)]
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
     ddp, zero = tmp_path / "ddp", tmp_path / "zero"
-    procs = [(launch("ddp.yaml", ddp, _env(ACCELERATE_USE_CPU="1")), "DDP run"),
-             (launch("deepspeed_zero3.yaml", zero, _env()), "ZeRO-3 run")]
+    procs = [(_launch("ddp.yaml", ddp, _env(ACCELERATE_USE_CPU="1"), args), "DDP run"),
+             (_launch("deepspeed_zero3.yaml", zero, _env(), args), "ZeRO-3 run")]
     for proc, what in procs:
         _finish(proc, what, timeout=900)
 
