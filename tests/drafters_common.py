@@ -1,9 +1,11 @@
-"""Shared helpers for the drafter tests: feature batches, exact law of plain sampling vs speculative counts.
+"""Shared helpers for the drafter tests: feature batches, one-batch overfitting, exact law of plain sampling vs speculative counts.
 
 Imported by tests/test_medusa.py and tests/test_mtp.py (not a test module itself).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -73,3 +75,16 @@ def assert_sampling_exact(model, prompt: list[int], make_drafter, samples: int =
     exact, counts = exact_and_empirical(model, prompt, make_drafter, k=2, n_new=4, top_k=3, samples=samples)
     pv = chi_square_pvalue(exact, counts, samples)
     assert pv > 1e-3, f"chi-square p = {pv:.2e}"
+
+
+def overfit(loss_fn: Callable, head, batch, target, steps: int, lr: float = 1e-2) -> tuple[list[float], dict]:
+    """Adam on one batch with a family's loss: (losses per step, metrics of the last step)."""
+    opt = torch.optim.Adam(head.parameters(), lr=lr)
+    losses, metrics = [], {}
+    for _ in range(steps):
+        loss, metrics = loss_fn(head, batch, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, metrics

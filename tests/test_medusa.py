@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from drafters_common import assert_sampling_exact, make_batch
+from drafters_common import assert_sampling_exact, make_batch, overfit
 
 from data.config import TargetConfig
 from data.features import forward_features
@@ -21,18 +21,6 @@ from heads import medusa
 from heads.base import Features, HeadMismatchError, load_head, save_head
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def overfit(head, batch, target, steps: int, lr: float = 1e-2) -> list[float]:
-    opt = torch.optim.Adam(head.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        loss, _ = medusa.loss(head, batch, target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
 
 
 def test_shift_worked_example() -> None:
@@ -76,11 +64,11 @@ def test_loss_masks_and_decreases(tiny_target) -> None:
     altered = dict(batch, input_ids=batch["input_ids"].clone())
     altered["input_ids"][0, 1] = 7
     assert torch.equal(medusa.loss(head, altered, io)[0], loss)
-    losses = overfit(head, batch, io, steps=25)
+    losses, _ = overfit(medusa.loss, head, batch, io, steps=25)
     assert losses[-1] < 0.3 * losses[0]
     # Distillation to the target's distribution trains too (KL starts small on a random target).
     head = medusa.build(medusa.MedusaConfig(num_heads=2, distill=True), io)
-    kl = overfit(head, batch, io, steps=15, lr=3e-3)
+    kl, _ = overfit(medusa.loss, head, batch, io, steps=15, lr=3e-3)
     assert kl[-1] < 0.7 * kl[0]
 
 
@@ -97,7 +85,7 @@ def trained(tiny_target):
     prompt = torch.randint(3, 250, (12,)).tolist()
     seq = _greedy_continuation(model, prompt, 40)
     head = medusa.build(medusa.MedusaConfig(num_heads=3, tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]), io)
-    overfit(head, make_batch(model, [seq], prompt_len=len(prompt)), io, steps=40)
+    overfit(medusa.loss, head, make_batch(model, [seq], prompt_len=len(prompt)), io, steps=40)
     head.eval()
     return head, prompt
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from drafters_common import assert_sampling_exact, make_batch
+from drafters_common import assert_sampling_exact, make_batch, overfit
 
 from data.config import TargetConfig
 from data.features import forward_features
@@ -30,19 +30,6 @@ def targets(tiny_target):
     for name in ("tiny-random-qwen2", "tiny-random-gemma3"):
         out[name] = load_target(TargetConfig(name_or_path=name, device="cpu"))
     return out
-
-
-def overfit(head, batch, target, steps: int, lr: float = 1e-2) -> tuple[list[float], dict[str, float]]:
-    """Adam on one batch: (losses, metrics of the last step)."""
-    opt = torch.optim.Adam(head.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        loss, metrics = mtp.loss(head, batch, target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, metrics
 
 
 def test_shift_worked_example() -> None:
@@ -82,7 +69,7 @@ def test_block_copies_target_architecture_and_trains(targets, name: str) -> None
     assert {"top1/0", "top1/1", "n/0", "n/1"} <= set(metrics)
     assert metrics["n/0"] == 16 + 10 and metrics["n/1"] == 16 + 10
     # The frozen lm_head of a random target caps the logits, so the loss falls slowly; top-1 tells.
-    losses, metrics = overfit(head, batch, io, steps=10)
+    losses, metrics = overfit(mtp.loss, head, batch, io, steps=10)
     assert losses[-1] < losses[0] - 1.0 and metrics["top1/0"] > 0.7 and metrics["top1/1"] > 0.7
     assert all(torch.equal(v, frozen[k]) for k, v in io.last_layer.state_dict().items())  # target untouched
 
@@ -95,7 +82,7 @@ def test_recursive_module_trains(tiny_target) -> None:
     batch = make_batch(model, [torch.randint(3, 250, (18,)).tolist()])
     _, metrics = mtp.loss(head, batch, io)
     assert {"top1/0", "top1/1", "top1/2"} <= set(metrics)
-    losses, metrics = overfit(head, batch, io, steps=10)
+    losses, metrics = overfit(mtp.loss, head, batch, io, steps=10)
     assert losses[-1] < losses[0] - 1.0 and min(metrics[f"top1/{k}"] for k in range(3)) > 0.7
 
 
@@ -152,7 +139,7 @@ def trained(tiny_target):
     prompt = torch.randint(3, 250, (12,)).tolist()
     out, _ = plain_generate(model, torch.tensor([prompt]), max_new_tokens=32)
     head = mtp.build(mtp.MTPConfig(num_modules=2), io)
-    overfit(head, make_batch(model, [prompt + out.tolist()], prompt_len=len(prompt)), io, steps=30)
+    overfit(mtp.loss, head, make_batch(model, [prompt + out.tolist()], prompt_len=len(prompt)), io, steps=30)
     return head.eval(), prompt
 
 
