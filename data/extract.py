@@ -263,11 +263,12 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
     if not 0 <= shard_index_ < num_shards:
         raise ValueError(f"--shard-index {shard_index_} must be in 0..{num_shards - 1}")
     state = None
-    if cfg.target.device_map and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under accelerate launch / torchrun
+    if cfg.target.device_map and launched:
         raise ValueError(f"target.device_map '{cfg.target.device_map}' spreads one target over all GPUs of its "
                          f"process; run one process per node (accelerate launch --num_processes 1; "
                          f"extract.sbatch: PROCS_PER_NODE=1), not {os.environ['WORLD_SIZE']}")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under accelerate launch / torchrun
+    if launched:
         from accelerate import PartialState
 
         # cpu=True selects the gloo backend when the target runs on the CPU (PartialState alone ignores

@@ -176,16 +176,16 @@ def test_check_launch_names_what_accelerate_changed() -> None:
     from train.loop import TrainError, check_launch
 
     ds, fsdp = {"ACCELERATE_USE_DEEPSPEED": "true"}, {"ACCELERATE_USE_FSDP": "true"}
-    check_launch(D.NO, multi=False, env={})  # plain single process
-    check_launch(D.MULTI_CPU, multi=True, env={"WORLD_SIZE": "2"})  # ddp.yaml + ACCELERATE_USE_CPU=1
-    check_launch(D.DEEPSPEED, multi=True, env={**ds, "WORLD_SIZE": "2"})
-    check_launch(D.FSDP, multi=True, env={**fsdp, "WORLD_SIZE": "8"})
+    check_launch(D.NO, env={})  # plain single process
+    check_launch(D.MULTI_CPU, env={"WORLD_SIZE": "2"})  # ddp.yaml + ACCELERATE_USE_CPU=1
+    check_launch(D.DEEPSPEED, env={**ds, "WORLD_SIZE": "2"})
+    check_launch(D.FSDP, env={**fsdp, "WORLD_SIZE": "8"})
     with pytest.raises(TrainError, match="asks for DeepSpeed, but accelerate runs MULTI_CPU: unset ACCELERATE_USE_CPU"):
-        check_launch(D.MULTI_CPU, multi=True, env={**ds, "WORLD_SIZE": "2"})
+        check_launch(D.MULTI_CPU, env={**ds, "WORLD_SIZE": "2"})
     with pytest.raises(TrainError, match="asks for FSDP, but accelerate runs MULTI_CPU"):
-        check_launch(D.MULTI_CPU, multi=True, env={**fsdp, "WORLD_SIZE": "2"})
+        check_launch(D.MULTI_CPU, env={**fsdp, "WORLD_SIZE": "2"})
     with pytest.raises(TrainError, match="^2 processes were started, but accelerate runs them unsynchronised"):
-        check_launch(D.NO, multi=True, env={"WORLD_SIZE": "2"})
+        check_launch(D.NO, env={"WORLD_SIZE": "2"})
 
 
 FSDP_SCRIPT = """

@@ -48,8 +48,9 @@ What a run does:
   ttt_length; EAGLE-1: 1; Medusa: its heads). Logged to metrics.jsonl and printed.
 - Logging on rank 0 only: tqdm (loss, tokens/s), OUT/metrics.jsonl (one JSON object per line: a `start`
   event with world_size, distributed_type, grad_accum, global_batch_size and the target's placement;
-  `train` rows every train.log_every steps with loss averaged over all ranks; `eval` rows; an `end` event), wandb in logging.wandb_mode (offline by
-  default; `online` without stored credentials falls back to offline instead of prompting; `disabled`).
+  `train` rows every train.log_every steps with loss averaged over all ranks; `eval` rows; an `end`
+  event), wandb in logging.wandb_mode (offline by default; `online` without stored credentials falls back
+  to offline instead of prompting; `disabled`).
   The resolved config is written to OUT/config.yaml.
 - At the end every rank writes OUT/final_params_digest.rank{R}.txt: the SHA-256 of the head parameters
   it holds (identical on all ranks under DDP or ZeRO-2) — the distributed test compares them; the
@@ -293,7 +294,7 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def check_launch(dist: Any, multi: bool, env: dict[str, str] | None = None) -> None:
+def check_launch(dist: Any, env: dict[str, str] | None = None) -> None:
     """Refuse a launch that accelerate would run other than asked, with no error of its own.
 
     `accelerate launch` tells the processes what the config file asked for (ACCELERATE_USE_DEEPSPEED /
@@ -305,6 +306,7 @@ def check_launch(dist: Any, multi: bool, env: dict[str, str] | None = None) -> N
 
     env = os.environ if env is None else env
     n = env.get("WORLD_SIZE", "1")
+    multi = int(n) > 1
     if env.get("ACCELERATE_USE_DEEPSPEED") == "true" and dist != DistributedType.DEEPSPEED:
         raise TrainError(f"the accelerate config asks for DeepSpeed, but accelerate runs {dist.value}: unset "
                          f"ACCELERATE_USE_CPU (DeepSpeed runs on CPU without it)")
@@ -339,7 +341,7 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
     kwargs = [InitProcessGroupKwargs(backend="gloo")] if multi and not torch.cuda.is_available() else []
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, kwargs_handlers=kwargs)
-    check_launch(accelerator.distributed_type, multi)
+    check_launch(accelerator.distributed_type)
     world, rank = accelerator.num_processes, accelerator.process_index
     main_proc = accelerator.is_main_process
     stop = {"signal": None}
@@ -407,7 +409,8 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
                    "per_process_batch": plan.batch_size, "global_batch_size": plan.global_batch,
                    "steps_per_epoch": plan.steps_per_epoch, "total_steps": plan.total_steps,
                    "train_conversations": len(train_ds), "holdout_conversations": len(hold_ds),
-                   "features": cfg.features.mode, **frozen.stats(), "resumed_from": str(ckpt) if ckpt else None, "start_step": start})
+                   "features": cfg.features.mode, **frozen.stats(),
+                   "resumed_from": str(ckpt) if ckpt else None, "start_step": start})
 
         def evaluate(step: int) -> dict[str, float]:
             if hold_fs is None:

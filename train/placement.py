@@ -163,11 +163,7 @@ def load_frozen_target(cfg: RunConfig, accelerator: Any, online: bool) -> Frozen
         engine, *_ = deepspeed.initialize(model=model, config=_target_ds_config(plugin))
         full, local = layer_param_counts(model)
         return FrozenTarget(model, tok, io, "zero3", full, local, engine)
-    if plugin is not None:
-        with _whole_models(plugin):
-            model = load_model(tcfg)
-    else:
-        model = load_model(tcfg)
+    model = load_model(tcfg)  # whole: only a stage-3 DeepSpeed config makes transformers partition it
     io = target_io(model, tcfg.name_or_path)
     if not online:
         layers = decoder_layers(model)
