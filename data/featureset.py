@@ -16,7 +16,7 @@ cfg.features.mode picks the source:
            (fingerprint, or name and shape when no model is given), other layer ids, or other tokenized
            data (fingerprint, sample count or any sample's length).
   online   runs the frozen target over the padded batch (data.features.forward_features, no logits) on
-           the target's device; nothing touches the disk.
+           the target's device and leaves `last`/`aux` there; nothing touches the disk.
 A test checks both modes give identical tensors on the tiny target (store in float32).
 """
 
@@ -69,8 +69,9 @@ class FeatureSet:
             feats, _ = forward_features(self.target_model, out["input_ids"].to(device), att.to(device), self.layer_ids)
             keep = att.to(device).unsqueeze(-1).bool()
             # Padding positions hold whatever the target computed there; zero them as the store does.
-            last = feats.last.masked_fill(~keep, 0).float().cpu()
-            aux = None if feats.aux is None else feats.aux.masked_fill(~keep, 0).float().cpu()
+            # Left on the target's device: the loop trains there, a trip through host memory would be waste.
+            last = feats.last.masked_fill(~keep, 0).float()
+            aux = None if feats.aux is None else feats.aux.masked_fill(~keep, 0).float()
         out["last"] = last
         if aux is not None:
             out["aux"] = aux
