@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from eval.decoder import GenerationStats, speculative_generate
+from eval.kvcache import new_kv
 from heads.base import Drafter
 
 DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
@@ -91,27 +91,33 @@ def measure_verify_cost(
     ks: Sequence[int] = DEFAULT_KS,
     repeats: int = 5,
     seed: int = 0,
+    cache: str = "dynamic",
 ) -> VerifyCost:
     """Time the target forward of k new tokens (all logits, as the decoder verifies) on a fixed cache.
 
-    The cache holds `context_len` random tokens; each timed forward is cropped off again, so every repeat
-    sees the same context. One untimed warm-up forward per k.
+    The cache ("dynamic" or "static", eval.kvcache) holds `context_len` random tokens; each timed forward is
+    dropped again, so every repeat sees the same context. One untimed warm-up forward per k (on CUDA it
+    captures the static cache's graph); CUDA work is synchronised around each timed forward.
     """
     dev = next(model.parameters()).device
     vocab = int(model.get_output_embeddings().weight.shape[0])
     g = torch.Generator().manual_seed(seed)
-    cache = DynamicCache()
-    ctx = torch.randint(vocab, (1, context_len), generator=g).to(dev)
-    model(input_ids=ctx, cache=cache, use_cache=True, logits_to_keep=1)
+    kv = new_kv(model, cache, room=context_len + max(ks))
+    ctx = torch.randint(vocab, (1, context_len), generator=g)
+    kv.run(ctx, logits_to_keep=1)
+    kv.keep(range(context_len))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     out: dict[int, float] = {}
     for k in ks:
-        ids = torch.randint(vocab, (1, k), generator=g).to(dev)
+        ids = torch.randint(vocab, (1, k), generator=g)
         times = []
         for r in range(repeats + 1):
+            sync()
             t = time.perf_counter()
-            model(input_ids=ids, cache=cache, use_cache=True)
+            kv.run(ids)
+            sync()
             dt = time.perf_counter() - t
-            cache.crop(-k)
+            kv.keep([])
             if r:  # the first run warms up
                 times.append(dt)
         out[int(k)] = statistics.median(times)

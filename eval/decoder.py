@@ -31,9 +31,9 @@ Both rejection updates go through `residual_distribution`, so a test can swap in
 Temperature, top-k and top-p shape the TARGET distribution (`target_distribution`) exactly as in
 `plain_generate`, the reference sampler.
 
-KV cache: transformers 5.24's DynamicCache (model kwarg `cache`, `crop(-n)` drops the last n tokens; a
-positive argument raises). The cache is built without the model config, so every layer is a full
-DynamicLayer that can be cropped at any length; sliding-window layers get their window from the mask.
+KV cache (`cache=`): "dynamic" is transformers' DynamicCache; "static" preallocates every layer and, on CUDA,
+replays each verify size as a captured CUDA graph (eval.kvcache, which also owns the rollback). Both give the
+same tokens; the exactness tests run on both.
 """
 
 from __future__ import annotations
@@ -45,18 +45,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
-from data.features import FeatureCapture
-from data.target import text_config
-from heads.base import Drafter, DraftTree, Features
-from heads.tree import check_parents, is_chain, tree_layout
+from eval.kvcache import new_kv
+from heads.base import Drafter, DraftTree
+from heads.tree import check_parents, is_chain, tree_depth
 
 __all__ = [
     "GenerationStats",
     "plain_generate",
     "residual_distribution",
-    "rollback_cache",
     "sample_token",
     "speculative_generate",
     "target_distribution",
@@ -256,70 +253,7 @@ def verify_tree(
             return accepted, sample_token(p, generator)
 
 
-# ----------------------------------------------------------------------------------------------- caches
-def rollback_cache(cache: DynamicCache, base: int, n_new: int, keep: Sequence[int]) -> None:
-    """Keep `keep` of the last n_new cache slots (slot base + j for j in keep), packed in order at base.
-
-    Before: the cache holds base + n_new tokens. After: base + len(keep), where slot base + m holds what slot
-    base + keep[m] held. Example: base 10, n_new 4, keep [1, 3] -> slots 10, 11 take old 11 and 13, length 12.
-    A prefix keep [0, ..., m-1] (every chain) is a plain crop; otherwise the K/V rows are gathered first.
-    The gathered K/V are exactly the ones a sequential pass would have produced: each accepted node was
-    computed at its path position while seeing only the cache, the root and its own ancestors.
-    """
-    m = len(keep)
-    if m and list(keep) != list(range(m)):
-        src = torch.as_tensor(keep, dtype=torch.long) + base
-        for layer in cache.layers:
-            idx = src.to(layer.keys.device)
-            layer.keys[:, :, base:base + m] = layer.keys.index_select(2, idx)
-            layer.values[:, :, base:base + m] = layer.values.index_select(2, idx)
-    if n_new > m:
-        cache.crop(-(n_new - m))
-
-
-def _sliding_window(model: nn.Module) -> int | None:
-    """The window of the model's sliding-attention layers, None when every layer attends fully."""
-    cfg = text_config(model.config)
-    types = getattr(cfg, "layer_types", None) or []
-    window = getattr(cfg, "sliding_window", None)
-    return int(window) if window and "sliding_attention" in types else None
-
-
-def _tree_mask(anc: torch.Tensor, positions: torch.Tensor, past: int, window: int | None,
-               dtype: torch.dtype, device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
-    """Additive 4D mask [1, 1, N+1, past+N+1]: row i sees the whole cache and its own ancestors in the tree.
-
-    An additive float mask (0 = attend, dtype min = blocked) works with the eager and the SDPA attention.
-    With sliding-window layers a dict {"full_attention", "sliding_attention"} is returned, the second also
-    blocking keys at distance >= window (transformers' sliding rule), as the models accept precomputed masks.
-    """
-    q = anc.shape[0]
-    allowed = torch.ones(q, past + q, dtype=torch.bool, device=device)
-    allowed[:, past:] = anc.to(device)
-    neg = torch.finfo(dtype).min
-
-    def additive(a: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(a.shape, dtype=dtype, device=device).masked_fill_(~a, neg)[None, None]
-
-    if window is None:
-        return additive(allowed)
-    key_pos = torch.cat([torch.arange(past, device=device), positions.to(device)])
-    near = (positions.to(device)[:, None] - key_pos[None, :]) < window
-    return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & near)}
-
-
 # ----------------------------------------------------------------------------------------------- loops
-def _forward(model: nn.Module, ids: torch.Tensor, cache: DynamicCache, capture: Sequence[int] | None,
-             logits_to_keep: int = 0, **kw: Any) -> tuple[torch.Tensor, Features | None]:
-    """One target forward that extends `cache`: (logits [1, T', V], captured features or None)."""
-    if capture is None:
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep, **kw)
-        return out.logits, None
-    with FeatureCapture(model, capture) as cap:
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep, **kw)
-    return out.logits, cap.features()
-
-
 def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset()
@@ -352,6 +286,7 @@ def plain_generate(
     top_p: float = 1.0,
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    cache: str = "dynamic",
 ) -> tuple[torch.Tensor, GenerationStats]:
     """Token-by-token decoding with the same processors and cache as `speculative_generate` (the reference).
 
@@ -361,14 +296,15 @@ def plain_generate(
     eos = _eos_set(eos_token_id)
     stats = GenerationStats(generations=1)
     t0 = time.perf_counter()
-    cache = DynamicCache()
-    logits, _ = _forward(model, ids, cache, None, logits_to_keep=1)
+    kv = new_kv(model, cache, room=ids.shape[1] + max_new_tokens)
+    logits, _ = kv.run(ids, logits_to_keep=1)
+    kv.keep(range(ids.shape[1]))
     out = [_next_token(logits[0, -1], temperature, top_k, top_p, generator)]
     stats.prefill_time_s = time.perf_counter() - t0
-    dev = ids.device
     while len(out) < max_new_tokens and out[-1] not in eos:
         tv = time.perf_counter()
-        logits, _ = _forward(model, torch.tensor([[out[-1]]], device=dev), cache, None, logits_to_keep=1)
+        logits, _ = kv.run(torch.tensor([[out[-1]]]), logits_to_keep=1)
+        kv.keep([0])
         out.append(_next_token(logits[0, -1], temperature, top_k, top_p, generator))
         stats.verify_time_s += time.perf_counter() - tv
         stats.record_pass(0, 0, 0, 0)
@@ -389,27 +325,28 @@ def speculative_generate(
     top_p: float = 1.0,
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    cache: str = "dynamic",
 ) -> tuple[torch.Tensor, GenerationStats]:
     """Exact speculative decoding of one prompt (see the module docstring for the loop and the rules).
 
     input_ids [1, T] (or [T]); k is the draft length (chain length or tree depth) passed to drafter.draft,
     0 = plain decoding through the same loop (the drafter is not called at all). Sampling uses `generator` for every target-side draw (the
     drafter keeps its own). Returns (new token ids [n] long, GenerationStats); stops after an eos token
-    (kept) or max_new_tokens, exactly like plain_generate with the same arguments.
+    (kept) or max_new_tokens, exactly like plain_generate with the same arguments. cache: "dynamic" or
+    "static" (eval.kvcache; static forwards are CUDA graphs on CUDA).
     """
     ids = _check_inputs(input_ids, max_new_tokens)
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
     eos = _eos_set(eos_token_id)
     capture = drafter.capture_layers
-    window = _sliding_window(model)
-    mask_dtype = next(model.parameters()).dtype
     dev = ids.device
     stats = GenerationStats(generations=1)
     perf = time.perf_counter
     t0 = perf()
-    cache = DynamicCache()
-    logits, feats = _forward(model, ids, cache, capture, logits_to_keep=1)
+    kv = new_kv(model, cache, capture, room=ids.shape[1] + max_new_tokens + k + 64)
+    logits, feats = kv.run(ids, logits_to_keep=1)
+    kv.keep(range(ids.shape[1]))
     out = [_next_token(logits[0, -1], temperature, top_k, top_p, generator)]
     stats.prefill_time_s = perf() - t0
     done = out[-1] in eos or len(out) >= max_new_tokens
@@ -427,22 +364,16 @@ def speculative_generate(
         n = len(tree)
         if tree.parents.numel() != n:
             raise ValueError(f"DraftTree: {n} tokens but {tree.parents.numel()} parents")
-        past = cache.get_seq_length()
-        inp = torch.cat([torch.tensor([out[-1]], device=dev), tree.tokens.to(dev)])[None]
-        if is_chain(tree.parents) and window is None:
-            depth = n
-            logits, feats = _forward(model, inp, cache, capture)
-        else:
+        if not is_chain(tree.parents):
             check_parents(tree.parents.tolist())
-            anc, depths = tree_layout(tree.parents)
-            depth = int(depths.max()) if n else 0
-            pos = past + torch.cat([torch.zeros(1, dtype=torch.long), depths]).to(dev)
-            mask = _tree_mask(anc, pos, past, window, mask_dtype, dev)
-            logits, feats = _forward(model, inp, cache, capture, attention_mask=mask, position_ids=pos[None])
+        depth = tree_depth(tree.parents)
+        # Built where the drafter left its tokens; the cache moves them (a static one without a host sync).
+        inp = torch.cat([tree.tokens.new_tensor([out[-1]]), tree.tokens])[None]
+        logits, feats = kv.run(inp, tree.parents)
         rows = logits[0] if temperature <= 0 else target_distribution(logits[0], temperature, top_k, top_p)
         accepted, nxt = verify_tree(tree, rows, temperature, generator)
-        # The cache now holds past + 1 + n slots: the root (kept) and the n nodes (keep the accepted ones).
-        rollback_cache(cache, past + 1, n, accepted)
+        # The pass added the root (kept) and the n nodes (keep the accepted ones, packed after the root).
+        kv.keep([0] + [a + 1 for a in accepted])
         stats.verify_time_s += perf() - tv
         # The level below the last accepted node (or the root) was tested iff that node has children.
         last = accepted[-1] if accepted else -1

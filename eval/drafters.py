@@ -20,10 +20,10 @@ import copy
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from data.target import text_config
 from eval.decoder import sample_token
+from eval.kvcache import KVCache, new_kv
 from heads.base import DraftTree, Features
 
 __all__ = ["ModelDrafter", "NgramDrafter", "layer_prefix_model", "self_speculative_drafter"]
@@ -94,22 +94,25 @@ class ModelDrafter:
     plus the next token. Example: pending [r], k 3, accepted 2 -> cache keeps r d1 d2, pending [next].
     At temperature 0 drafts are argmax (probs None); otherwise sampled from q = softmax(logits / T) with the
     drafter's own generator, and q is returned (over the TARGET vocab) for the exact acceptance rule.
+    cache "dynamic" or "static" (eval.kvcache: preallocated, CUDA graphs on CUDA).
     """
 
     capture_layers = None
 
-    def __init__(self, model: nn.Module, vocab_size: int | None = None, generator: torch.Generator | None = None):
+    def __init__(self, model: nn.Module, vocab_size: int | None = None, generator: torch.Generator | None = None,
+                 cache: str = "dynamic"):
         self.model = model
         self.vocab_size = int(vocab_size or text_config(model.config).vocab_size)
         self.generator = generator
-        self.cache = DynamicCache()
+        self.cache_kind = cache
+        self.kv: KVCache | None = None  # built by begin
         self.pending: list[int] = []
         self._draft: list[int] = []
         self._device = next(model.parameters()).device
 
     def _logits(self, tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor([tokens], dtype=torch.long, device=self._device)
-        logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        logits = self.kv.run(torch.tensor([tokens], dtype=torch.long), logits_to_keep=1)[0][0, -1]
+        self.kv.keep(range(len(tokens)))
         v = self.vocab_size
         if logits.shape[-1] >= v:
             return logits[:v]
@@ -118,8 +121,9 @@ class ModelDrafter:
 
     @torch.no_grad()
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
-        self.cache = DynamicCache()
-        self.model(input_ids=prompt_ids.to(self._device), cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.kv = new_kv(self.model, self.cache_kind, room=prompt_ids.shape[-1] + 256)
+        self.kv.run(prompt_ids.reshape(1, -1), logits_to_keep=1)
+        self.kv.keep(range(prompt_ids.shape[-1]))
         self.pending = [next_token]
         self._draft = []
 
@@ -151,7 +155,7 @@ class ModelDrafter:
             return
         fed = k - 1  # d1..d(k-1) are in the cache; dk was only sampled
         if a < fed:
-            self.cache.crop(-(fed - a))
+            self.kv.truncate(self.kv.length - (fed - a))
         self.pending = ([self._draft[-1]] if a == k else []) + [next_token]
 
 
@@ -185,6 +189,7 @@ def layer_prefix_model(model: nn.Module, num_layers: int) -> nn.Module:
     return new_model
 
 
-def self_speculative_drafter(model: nn.Module, num_layers: int, generator: torch.Generator | None = None) -> ModelDrafter:
+def self_speculative_drafter(model: nn.Module, num_layers: int, generator: torch.Generator | None = None,
+                             cache: str = "dynamic") -> ModelDrafter:
     """Draft with the target's first `num_layers` layers + final norm + lm_head (no training, own cache)."""
-    return ModelDrafter(layer_prefix_model(model, num_layers), text_config(model.config).vocab_size, generator)
+    return ModelDrafter(layer_prefix_model(model, num_layers), text_config(model.config).vocab_size, generator, cache)

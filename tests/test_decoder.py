@@ -28,12 +28,12 @@ from eval.costs import (
 )
 from eval.decoder import (
     plain_generate,
-    rollback_cache,
     speculative_generate,
     target_distribution,
     verify_tree,
 )
 from eval.drafters import ModelDrafter, NgramDrafter, layer_prefix_model, self_speculative_drafter
+from eval.kvcache import CACHE_KINDS, rollback_cache
 from heads.base import DraftTree, Features
 from heads.tree import DEFAULT_CHOICES, StaticTree, is_chain, tree_depth, tree_layout
 
@@ -171,8 +171,14 @@ class RandomTreeDrafter(_Tracker):
 
 
 # ----------------------------------------------------------------------------------------------- greedy identity
-def _check_identical(target, prompt, reference, drafter, k, eos=None):
-    out, stats = speculative_generate(target, prompt, drafter, k, MAX_NEW, eos_token_id=eos)
+@pytest.fixture(params=CACHE_KINDS)
+def cache(request):
+    """Every identity test runs on the dynamic and the static (preallocated, graph-ready) cache."""
+    return request.param
+
+
+def _check_identical(target, prompt, reference, drafter, k, eos=None, cache="dynamic"):
+    out, stats = speculative_generate(target, prompt, drafter, k, MAX_NEW, eos_token_id=eos, cache=cache)
     assert out.tolist() == reference.tolist()
     assert stats.new_tokens == len(reference)
     return stats
@@ -185,44 +191,44 @@ def other():
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_identical_every_drafter_chains(target, other, prompt, reference, k):
+def test_greedy_identical_every_drafter_chains(target, other, prompt, reference, k, cache):
     eos = target.generation_config.eos_token_id
     drafters = [
         NgramDrafter(),
         NgramDrafter(n_max=1),
-        ModelDrafter(other),
-        ModelDrafter(target),
-        self_speculative_drafter(target, 2),
+        ModelDrafter(other, cache=cache),
+        ModelDrafter(target, cache=cache),
+        self_speculative_drafter(target, 2, cache=cache),
         AdversarialDrafter(reference, seed=k),
     ]
     for d in drafters:
-        _check_identical(target, prompt, reference, d, k, eos)
+        _check_identical(target, prompt, reference, d, k, eos, cache)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_greedy_identical_static_and_random_trees(target, prompt, reference, seed):
+def test_greedy_identical_static_and_random_trees(target, prompt, reference, seed, cache):
     for k in (2, 5):
-        st = _check_identical(target, prompt, reference, StaticTreeDrafter(reference, seed), k)
+        st = _check_identical(target, prompt, reference, StaticTreeDrafter(reference, seed), k, cache=cache)
         assert st.tau > 1.2  # the reference sits in the tree often enough to be accepted
-        st = _check_identical(target, prompt, reference, RandomTreeDrafter(reference, seed), k)
+        st = _check_identical(target, prompt, reference, RandomTreeDrafter(reference, seed), k, cache=cache)
         assert st.accepted_tokens > 0
 
 
-def test_oracle_gives_k_plus_one_and_wrong_gives_one(target, prompt, reference):
+def test_oracle_gives_k_plus_one_and_wrong_gives_one(target, prompt, reference, cache):
     k = 4
     # max_new 1 + 7*(k+1): the prefill token, then exactly 7 full passes.
     n = 1 + 7 * (k + 1)
     ref = target.generate(prompt, do_sample=False, max_new_tokens=n)[0, prompt.shape[1]:]
     assert len(ref) == n
-    out, st = speculative_generate(target, prompt, OracleDrafter(ref, right=True), k, n)
+    out, st = speculative_generate(target, prompt, OracleDrafter(ref, right=True), k, n, cache=cache)
     assert out.tolist() == ref.tolist() and st.tau == k + 1 and st.target_passes == 7
     assert st.acceptance_rates == [1.0] * k
-    out, st = speculative_generate(target, prompt, OracleDrafter(ref, right=False), k, n)
+    out, st = speculative_generate(target, prompt, OracleDrafter(ref, right=False), k, n, cache=cache)
     assert out.tolist() == ref.tolist() and st.tau == 1.0 and st.target_passes == n - 1
     # The last pass has one token left to make, so it drafts nothing.
     assert st.acceptance_rates == [0.0] * k and st.judged_per_position == [n - 2] + [0] * (k - 1)
     # The target drafting for itself is an oracle through the real draft-model cache bookkeeping.
-    out, st = speculative_generate(target, prompt, ModelDrafter(target), k, n)
+    out, st = speculative_generate(target, prompt, ModelDrafter(target, cache=cache), k, n, cache=cache)
     assert out.tolist() == ref.tolist() and st.tau == k + 1
 
 
@@ -239,27 +245,27 @@ def test_eos_and_max_new_tokens_match_plain(target, prompt, reference):
         assert out.tolist() == reference[:m].tolist()
 
 
-def test_plain_generate_matches_hf(target, prompt, reference):
-    out, st = plain_generate(target, prompt, MAX_NEW)
+def test_plain_generate_matches_hf(target, prompt, reference, cache):
+    out, st = plain_generate(target, prompt, MAX_NEW, cache=cache)
     assert out.tolist() == reference.tolist() and st.tau == 1.0 and st.target_passes == MAX_NEW - 1
 
 
-def test_gemma3_sliding_window_trees(prompt):
+def test_gemma3_sliding_window_trees(prompt, cache):
     """Past the tiny Gemma-3's sliding window (64) the tree mask must apply the window too."""
     model = load_model(TargetConfig(name_or_path="tiny-random-gemma3", device="cpu"))
     n = 60  # prompt ~40 + 60 > 64
     ref = model.generate(prompt, do_sample=False, max_new_tokens=n)[0, prompt.shape[1]:]
     assert prompt.shape[1] + len(ref) > model.config.sliding_window + 8
     for drafter in (RandomTreeDrafter(ref, 0), NgramDrafter()):
-        out, _ = speculative_generate(model, prompt, drafter, 4, n)
+        out, _ = speculative_generate(model, prompt, drafter, 4, n, cache=cache)
         assert out.tolist() == ref.tolist()
 
 
 # ----------------------------------------------------------------------------------------------- features, caches
-def test_drafter_receives_features_of_committed_positions(target, prompt, reference):
+def test_drafter_receives_features_of_committed_positions(target, prompt, reference, cache):
     layers = (1, 3)
     drafter = RandomTreeDrafter(reference, seed=3, capture_layers=layers)
-    out, _ = speculative_generate(target, prompt, drafter, 4, MAX_NEW)
+    out, _ = speculative_generate(target, prompt, drafter, 4, MAX_NEW, cache=cache)
     seq = torch.cat([prompt[0], out])[None]
     with FeatureCapture(target, layers) as cap:
         target(input_ids=seq, use_cache=False)
@@ -318,13 +324,13 @@ class _CacheProbe(ModelDrafter):
     def commit(self, accepted, features, next_token):
         super().commit(accepted, features, next_token)
         self.committed += len(accepted) + 1
-        assert self.cache.get_seq_length() + len(self.pending) == self.committed
+        assert self.kv.length + len(self.pending) == self.committed
 
 
-def test_model_drafter_cache_rollback(target, prompt, reference):
+def test_model_drafter_cache_rollback(target, prompt, reference, cache):
     for draft_model in (target, layer_prefix_model(target, 1)):
         for k in (1, 3):
-            _check_identical(target, prompt, reference, _CacheProbe(draft_model), k)
+            _check_identical(target, prompt, reference, _CacheProbe(draft_model, cache=cache), k, cache=cache)
 
 
 def test_layer_prefix_model_shares_weights_and_leaves_target_alone(target, prompt):
@@ -479,10 +485,10 @@ def sharp_model():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_context_sensitive_model_trees_and_chains(sharp_model, seed):
+def test_context_sensitive_model_trees_and_chains(sharp_model, seed, cache):
     ids = torch.randint(97, (1, 12), generator=torch.Generator().manual_seed(seed))
     ref = sharp_model.generate(ids, do_sample=False, max_new_tokens=30, pad_token_id=0)[0, 12:]
     for drafter in (RandomTreeDrafter(ref, seed, vocab=97), StaticTreeDrafter(ref, seed, vocab=97),
-                    ModelDrafter(layer_prefix_model(sharp_model, 1)), NgramDrafter()):
-        out, _ = speculative_generate(sharp_model, ids, drafter, 3, 30)
+                    ModelDrafter(layer_prefix_model(sharp_model, 1), cache=cache), NgramDrafter()):
+        out, _ = speculative_generate(sharp_model, ids, drafter, 3, 30, cache=cache)
         assert out.tolist() == ref.tolist()

@@ -24,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import eval.decoder as decoder
 from eval.decoder import speculative_generate, target_distribution, verify_tree
+from eval.kvcache import CACHE_KINDS
 from heads.base import DraftTree
 
 V, L, N = 4, 4, 6_000
@@ -240,8 +241,9 @@ def model_distribution(model, prompt: torch.Tensor) -> dict[tuple, float]:
     return dict(zip(seqs, picked.tolist()))
 
 
+@pytest.mark.parametrize("cache", CACHE_KINDS)
 @pytest.mark.parametrize("mode", ["chain", "topk_tree"])
-def test_decoder_loop_sampling_is_exact(vocab4_model, mode):
+def test_decoder_loop_sampling_is_exact(vocab4_model, mode, cache):
     prompt = torch.tensor([[1, 3, 2, 0, 1]])
     exact = model_distribution(vocab4_model, prompt)
     assert sum(exact.values()) == pytest.approx(1.0) and min(exact.values()) == 0.0  # top-k removed some
@@ -252,7 +254,7 @@ def test_decoder_loop_sampling_is_exact(vocab4_model, mode):
     for _ in range(HF_N):
         # max_new_tokens HF_L + 1 lets the first pass draft depth 2; the first HF_L tokens are compared.
         out, _ = speculative_generate(vocab4_model, prompt, drafter, 2, HF_L + 1, temperature=TEMP, top_k=TOP_K,
-                                      generator=g)
+                                      generator=g, cache=cache)
         counts[tuple(out[:HF_L].tolist())] += 1
     assert all(exact[c] > 0 for c in counts)  # never a token that top-k removed
     pv = chi_square_pvalue(counts, exact, HF_N)

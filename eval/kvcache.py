@@ -1,0 +1,351 @@
+"""The KV caches the decoder verifies with: dynamic (transformers' DynamicCache) or static (preallocated, fixed-size
+forwards, captured as CUDA graphs on CUDA). Both keep the same small protocol, so the decoder loop and the draft
+model run unchanged on either:
+
+    kv = new_kv(model, "static", capture=(2, 16, 29), room=prompt_len + max_new_tokens + k + 1)
+    logits, feats = kv.run(ids)          # ids [1, q]: q new rows after the kv.length committed ones (chain)
+    logits, feats = kv.run(ids, parents) # rows 1..q-1 form a tree below row 0 (heads.tree conventions)
+    kv.keep([0, 2, 3])                   # commit these new rows, packed in order; the others are dropped
+    kv.truncate(n)                       # forget committed rows past the first n
+
+`logits` [1, q, V] (or [1, 1, V] with logits_to_keep=1) and `feats` (the `capture` layers, see
+data.features) of a static cache are its own buffers: read them before the next `run`.
+
+Static cache (`StaticKV`): every layer's keys/values are preallocated to `max_len` slots; new rows are written
+at the slots the cache names (committed length + row index), never at a running counter, so a rollback is host
+bookkeeping plus, for an accepted tree path that is not a prefix, one gather per layer. Every forward gets an
+explicit additive mask over all `max_len` slots (row i sees the committed slots and its own ancestors among the
+new rows; sliding-window layers also the window) and explicit positions, so transformers' mask creation is
+skipped and stale slots never leak. On CUDA each input size q is captured once as a CUDA graph (static input
+buffers, shared memory pool) and replayed; the small host inputs go through pinned staging buffers, so a pass
+issues no host synchronisation of its own: the caller's read of the logits (the acceptance decision) is the one.
+Room runs out -> the cache grows (doubling, graphs recaptured), so `room` is a hint, not a limit.
+
+transformers renamed the forward argument `past_key_values` to `cache` between 5.17 (the GPU image) and 5.24
+(pinned here); passing the wrong name is silently ignored (the model builds a private cache), so every call
+here goes through `cache_kwarg`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, StaticLayer
+
+from data.features import FeatureCapture
+from data.target import text_config
+from heads.base import Features
+from heads.tree import is_chain, tree_layout
+
+__all__ = ["CACHE_KINDS", "DynamicKV", "KVCache", "StaticKV", "cache_kwarg", "new_kv", "rollback_cache", "sliding_window"]
+
+CACHE_KINDS = ("dynamic", "static")
+GRAPH_MAX_ROWS = 128  # forwards of at most this many rows are captured as CUDA graphs (verify sizes, not prompts)
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The name of the model's cache argument: `cache` (transformers >= 5.2x) or `past_key_values` (older)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """The window of the model's sliding-attention layers, None when every layer attends fully."""
+    cfg = text_config(model.config)
+    types = getattr(cfg, "layer_types", None) or []
+    window = getattr(cfg, "sliding_window", None)
+    return int(window) if window and "sliding_attention" in types else None
+
+
+def rollback_cache(cache: DynamicCache, base: int, n_new: int, keep: Sequence[int]) -> None:
+    """Keep `keep` of the last n_new cache slots (slot base + j for j in keep), packed in order at base.
+
+    Before: the cache holds base + n_new tokens. After: base + len(keep), where slot base + m holds what slot
+    base + keep[m] held. Example: base 10, n_new 4, keep [1, 3] -> slots 10, 11 take old 11 and 13, length 12.
+    A prefix keep [0, ..., m-1] (every chain) is a plain crop; otherwise the K/V rows are gathered first.
+    The gathered K/V are exactly the ones a sequential pass would have produced: each accepted node was
+    computed at its path position while seeing only the cache, the root and its own ancestors.
+    """
+    _gather(cache.layers, base, keep)
+    if n_new > len(keep):
+        cache.crop(-(n_new - len(keep)))
+
+
+def _gather(layers: Sequence[Any], base: int, keep: Sequence[int]) -> None:
+    """Move slots base + keep[m] to base + m in every layer (nothing to do for a prefix keep)."""
+    m = len(keep)
+    if m and list(keep) != list(range(m)):
+        src = torch.as_tensor(list(keep), dtype=torch.long) + base
+        for layer in layers:
+            idx = src.to(layer.keys.device)
+            layer.keys[:, :, base:base + m] = layer.keys.index_select(2, idx)
+            layer.values[:, :, base:base + m] = layer.values.index_select(2, idx)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool [q, K] -> additive float mask [1, 1, q, K] (0 = attend, dtype min = blocked; eager and SDPA)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class KVCache(Protocol):
+    """What the decoder and the draft model ask of a cache (see the module docstring)."""
+
+    length: int  # committed rows
+
+    def run(self, ids: torch.Tensor, parents: torch.Tensor | None = None,
+            logits_to_keep: int = 0) -> tuple[torch.Tensor, Features | None]: ...
+
+    def keep(self, rows: Sequence[int]) -> None: ...
+
+    def truncate(self, length: int) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------- dynamic
+class DynamicKV:
+    """transformers' DynamicCache, built without the model config so every layer is a full DynamicLayer that can be
+    cropped at any length; sliding-window layers get their window from the mask (trees) or the model (chains)."""
+
+    def __init__(self, model: nn.Module, capture: Sequence[int] | None = None):
+        self.model, self.capture = model, capture
+        self.cache = DynamicCache()
+        self.key = cache_kwarg(model)
+        self.window = sliding_window(model)
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.length = 0
+        self._pending = 0
+
+    def _forward(self, ids: torch.Tensor, logits_to_keep: int, **kw: Any) -> tuple[torch.Tensor, Features | None]:
+        kw = {self.key: self.cache, "use_cache": True, "logits_to_keep": logits_to_keep, **kw}
+        if self.capture is None:
+            return self.model(input_ids=ids, **kw).logits, None
+        with FeatureCapture(self.model, self.capture) as cap:
+            out = self.model(input_ids=ids, **kw)
+        return out.logits, cap.features()
+
+    @torch.no_grad()
+    def run(self, ids: torch.Tensor, parents: torch.Tensor | None = None,
+            logits_to_keep: int = 0) -> tuple[torch.Tensor, Features | None]:
+        ids = ids.to(self.device)
+        self._pending = ids.shape[1]
+        # Without parents (prefill, plain steps, draft models) the model masks itself; a verify pass with
+        # sliding-window layers gets the window from our mask even for chains.
+        if parents is None or (is_chain(parents) and self.window is None):
+            return self._forward(ids, logits_to_keep)
+        past = self.length
+        anc, depths = tree_layout(parents)
+        pos = past + torch.cat([torch.zeros(1, dtype=torch.long), depths]).to(self.device)
+        allowed = torch.ones(len(pos), past + len(pos), dtype=torch.bool, device=self.device)
+        allowed[:, past:] = anc.to(self.device)
+        mask: torch.Tensor | dict[str, torch.Tensor] = _additive(allowed, self.dtype)
+        if self.window is not None:
+            key_pos = torch.cat([torch.arange(past, device=self.device), pos])
+            near = (pos[:, None] - key_pos[None, :]) < self.window
+            mask = {"full_attention": mask, "sliding_attention": _additive(allowed & near, self.dtype)}
+        return self._forward(ids, logits_to_keep, attention_mask=mask, position_ids=pos[None])
+
+    def keep(self, rows: Sequence[int]) -> None:
+        rollback_cache(self.cache, self.length, self._pending, rows)
+        self.length += len(rows)
+        self._pending = 0
+
+    def truncate(self, length: int) -> None:
+        if length < self.length:
+            self.cache.crop(-(self.length - length))
+            self.length = length
+
+
+# ----------------------------------------------------------------------------------------------- static
+class _SlotLayer(StaticLayer):
+    """A StaticLayer that writes new keys/values at the slots its StaticKV names for this forward."""
+
+    def __init__(self, max_cache_len: int, owner: StaticKV):
+        super().__init__(max_cache_len=max_cache_len)
+        self.owner = owner
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.owner.slots
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        return self.keys, self.values
+
+
+class _Step:
+    """The fixed input/output buffers of one forward size q (and, on CUDA, its captured graph)."""
+
+    def __init__(self, q: int, max_len: int, window: int | None, dtype: torch.dtype, device: torch.device):
+        pin = device.type == "cuda"
+        self.q = q
+        self.ids = torch.zeros(1, q, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, q, dtype=torch.long, device=device)
+        self.slots = torch.arange(q, device=device)
+        self.causal = torch.ones(q, q, dtype=torch.bool, device=device).tril_()
+        self.anc = torch.zeros(q, q, dtype=torch.bool, device=device)
+        full = torch.zeros(1, 1, q, max_len, dtype=dtype, device=device)
+        self.mask: torch.Tensor | dict[str, torch.Tensor] = full
+        if window is not None:
+            self.mask = {"full_attention": full, "sliding_attention": torch.zeros_like(full)}
+        # Host staging: pinned on CUDA so the copies are asynchronous (the event guards reuse).
+        self.h_ids = torch.zeros(q, dtype=torch.long, pin_memory=pin)
+        self.h_depth = torch.zeros(q, dtype=torch.long, pin_memory=pin)
+        self.h_anc = torch.zeros(q, q, dtype=torch.bool, pin_memory=pin)
+        self.copied = torch.cuda.Event() if pin else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: tuple[torch.Tensor, Features | None] | None = None
+
+
+class StaticKV:
+    """Preallocated keys/values for `model`, fixed-size forwards, CUDA graphs on CUDA (see the module docstring).
+
+    graphs None = capture on CUDA only; True on a CPU model raises. max_len is rounded up to a multiple of 64
+    (aligned masks for the fused attention kernels).
+    """
+
+    def __init__(self, model: nn.Module, max_len: int, capture: Sequence[int] | None = None,
+                 graphs: bool | None = None):
+        p = next(model.parameters())
+        self.model, self.capture = model, capture
+        self.device, self.dtype = p.device, p.dtype
+        if graphs and self.device.type != "cuda":
+            raise ValueError(f"StaticKV: CUDA graphs need a CUDA model (this one is on {self.device})")
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.key = cache_kwarg(model)
+        self.window = sliding_window(model)
+        self.length = 0
+        self._pending = 0
+        self._steps: dict[tuple[int, bool], _Step] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.slots = torch.arange(1, device=self.device)
+        self._allocate(max_len)
+
+    def _allocate(self, max_len: int) -> None:
+        """(Re)build every layer with max_len slots, keeping the committed rows; drops captured graphs."""
+        cfg = text_config(self.model.config)
+        self.max_len = -(-max_len // 64) * 64
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
+        old = getattr(self, "cache", None)
+        self.cache = Cache(layers=[_SlotLayer(self.max_len, self) for _ in range(int(cfg.num_hidden_layers))])
+        probe = torch.zeros(1, kv_heads, 1, head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.cache.layers):
+            layer.lazy_initialization(probe, probe)
+            if old is not None:
+                layer.keys[:, :, :self.length] = old.layers[i].keys[:, :, :self.length]
+                layer.values[:, :, :self.length] = old.layers[i].values[:, :, :self.length]
+        self._steps.clear()
+
+    def _step(self, q: int, last_only: bool) -> _Step:
+        key = (q, last_only)
+        if key not in self._steps:
+            self._steps[key] = _Step(q, self.max_len, self.window, self.dtype, self.device)
+        return self._steps[key]
+
+    def _stage(self, step: _Step, ids: torch.Tensor, parents: torch.Tensor | None) -> None:
+        """Write this forward's ids, positions, slots and mask into the step's buffers (no host sync)."""
+        q, base = step.q, self.length
+        if step.copied is not None:
+            step.copied.synchronize()  # the last copies out of the staging buffers are done (normally long ago)
+        if ids.device.type == "cpu":
+            step.h_ids.copy_(ids.reshape(-1))
+            step.ids[0].copy_(step.h_ids, non_blocking=True)
+        else:
+            step.ids[0].copy_(ids.reshape(-1))
+        if parents is None or is_chain(parents):
+            torch.arange(base, base + q, out=step.pos[0])
+            anc = step.causal
+        else:
+            a, depths = tree_layout(parents)
+            step.h_anc.copy_(a)
+            step.h_depth[1:].copy_(depths)
+            step.anc.copy_(step.h_anc, non_blocking=True)
+            step.pos[0].copy_(step.h_depth, non_blocking=True)
+            step.pos.add_(base)
+            anc = step.anc
+        if step.copied is not None:
+            step.copied.record()
+        torch.arange(base, base + q, out=step.slots)
+        full = step.mask["full_attention"] if isinstance(step.mask, dict) else step.mask
+        neg = torch.finfo(self.dtype).min
+        full.fill_(neg)
+        full[..., :base] = 0
+        full[0, 0, :, base:base + q].masked_fill_(anc, 0)
+        if isinstance(step.mask, dict):
+            key_pos = torch.arange(self.max_len, device=self.device)
+            key_pos[base:base + q] = step.pos[0]
+            far = (step.pos[0][:, None] - key_pos[None, :]) >= self.window
+            step.mask["sliding_attention"].copy_(full).masked_fill_(far[None, None], neg)
+
+    def _forward(self, step: _Step, last_only: bool) -> tuple[torch.Tensor, Features | None]:
+        self.slots = step.slots
+        kw = {self.key: self.cache, "use_cache": True, "logits_to_keep": 1 if last_only else 0,
+              "attention_mask": step.mask, "position_ids": step.pos}
+        if self.capture is None:
+            return self.model(input_ids=step.ids, **kw).logits, None
+        with FeatureCapture(self.model, self.capture) as cap:
+            out = self.model(input_ids=step.ids, **kw)
+        return out.logits, cap.features()
+
+    def _replay(self, step: _Step, last_only: bool) -> tuple[torch.Tensor, Features | None]:
+        """Run the step's graph, capturing it first (two warm-up runs on a side stream, as CUDA graphs need).
+
+        Warm-up runs write only the slots this forward writes anyway, so the committed rows are safe.
+        """
+        if step.graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(step, last_only)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                step.out = self._forward(step, last_only)
+            step.graph = graph
+        self.slots = step.slots
+        step.graph.replay()
+        assert step.out is not None
+        return step.out
+
+    @torch.no_grad()
+    def run(self, ids: torch.Tensor, parents: torch.Tensor | None = None,
+            logits_to_keep: int = 0) -> tuple[torch.Tensor, Features | None]:
+        if logits_to_keep not in (0, 1):
+            raise ValueError(f"StaticKV.run: logits_to_keep must be 0 (all rows) or 1 (the last), got {logits_to_keep}")
+        q = int(ids.shape[-1])
+        if self.length + q > self.max_len:
+            self._allocate(2 * (self.length + q))
+        last_only = logits_to_keep == 1
+        step = self._step(q, last_only)
+        self._stage(step, ids, parents)
+        self._pending = q
+        # Graphs for verify-sized forwards only: a prompt-sized prefill runs once and is not worth a capture.
+        if self.graphs and q <= GRAPH_MAX_ROWS:
+            return self._replay(step, last_only)
+        out = self._forward(step, last_only)
+        if q > GRAPH_MAX_ROWS:
+            del self._steps[(q, last_only)]  # prompt-sized buffers are not kept
+        return out
+
+    def keep(self, rows: Sequence[int]) -> None:
+        _gather(self.cache.layers, self.length, rows)
+        self.length += len(rows)
+        self._pending = 0
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+def new_kv(model: nn.Module, kind: str, capture: Sequence[int] | None = None, room: int = 256,
+           graphs: bool | None = None) -> DynamicKV | StaticKV:
+    """A fresh cache of `kind` ("dynamic" or "static"; room = expected rows, graphs as in StaticKV)."""
+    if kind == "dynamic":
+        return DynamicKV(model, capture)
+    if kind == "static":
+        return StaticKV(model, room, capture, graphs)
+    raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {kind!r}")
