@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eval.kvcache import new_kv
+from eval.kvcache import KVCache, new_kv
 from heads.base import Drafter, DraftTree
 from heads.tree import check_parents, is_chain, tree_depth
 
@@ -286,7 +286,7 @@ def plain_generate(
     top_p: float = 1.0,
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
-    cache: str = "dynamic",
+    cache: str | KVCache = "dynamic",
 ) -> tuple[torch.Tensor, GenerationStats]:
     """Token-by-token decoding with the same processors and cache as `speculative_generate` (the reference).
 
@@ -325,15 +325,15 @@ def speculative_generate(
     top_p: float = 1.0,
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
-    cache: str = "dynamic",
+    cache: str | KVCache = "dynamic",
 ) -> tuple[torch.Tensor, GenerationStats]:
     """Exact speculative decoding of one prompt (see the module docstring for the loop and the rules).
 
     input_ids [1, T] (or [T]); k is the draft length (chain length or tree depth) passed to drafter.draft,
     0 = plain decoding through the same loop (the drafter is not called at all). Sampling uses `generator` for every target-side draw (the
     drafter keeps its own). Returns (new token ids [n] long, GenerationStats); stops after an eos token
-    (kept) or max_new_tokens, exactly like plain_generate with the same arguments. cache: "dynamic" or
-    "static" (eval.kvcache; static forwards are CUDA graphs on CUDA).
+    (kept) or max_new_tokens, exactly like plain_generate with the same arguments. cache: "dynamic", "static"
+    (eval.kvcache; static forwards are CUDA graphs on CUDA) or a cache object to reuse (see `new_kv`).
     """
     ids = _check_inputs(input_ids, max_new_tokens)
     if k < 0:

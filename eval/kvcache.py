@@ -324,11 +324,11 @@ class StaticKV:
         step = self._step(q, last_only)
         self._stage(step, ids, parents)
         self._pending = q
-        # Graphs for verify-sized forwards only: a prompt-sized prefill runs once and is not worth a capture.
-        if self.graphs and q <= GRAPH_MAX_ROWS:
+        # Graphs for verify-sized forwards only: a prefill (empty cache) runs once and is not worth a capture.
+        if self.graphs and q <= GRAPH_MAX_ROWS and self.length > 0:
             return self._replay(step, last_only)
         out = self._forward(step, last_only)
-        if q > GRAPH_MAX_ROWS:
+        if self.length == 0 and step.graph is None:
             del self._steps[(q, last_only)]  # prompt-sized buffers are not kept
         return out
 
@@ -341,9 +341,18 @@ class StaticKV:
         self.length = min(self.length, length)
 
 
-def new_kv(model: nn.Module, kind: str, capture: Sequence[int] | None = None, room: int = 256,
-           graphs: bool | None = None) -> DynamicKV | StaticKV:
-    """A fresh cache of `kind` ("dynamic" or "static"; room = expected rows, graphs as in StaticKV)."""
+def new_kv(model: nn.Module, kind: str | KVCache, capture: Sequence[int] | None = None, room: int = 256,
+           graphs: bool | None = None) -> KVCache:
+    """A fresh cache of `kind` ("dynamic" or "static"; room = expected rows, graphs as in StaticKV).
+
+    A cache object instead of a name is emptied and reused: a static cache keeps its captured graphs across
+    generations (benchmarks), so it must have been built for the same model and capture layers.
+    """
+    if not isinstance(kind, str):
+        if getattr(kind, "model", model) is not model or getattr(kind, "capture", capture) != capture:
+            raise ValueError("new_kv: a reused cache must belong to the same model and capture layers")
+        kind.truncate(0)
+        return kind
     if kind == "dynamic":
         return DynamicKV(model, capture)
     if kind == "static":
