@@ -26,7 +26,6 @@ pass and is not used here (the report says which drafter ran).
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from eval.kvcache import cache_kwarg
 from heads.base import Drafter
 
 
@@ -81,9 +81,7 @@ def _forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: Dyn
     """
     n = ids.shape[1]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -n:]
-    # transformers 5 renamed the forward argument `past_key_values` to `cache`; accept both.
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{key: cache})
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
     return out.logits
 
 

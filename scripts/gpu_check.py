@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -181,7 +182,28 @@ def section_oracle(s: Settings, model: torch.nn.Module, caches: dict, curve: dic
                 "tokens_per_s": round((st.new_tokens - 1) / st.decode_time_s, 2),
             }
         out[kind] = rows
+        out[f"{kind}_syncs_per_pass"] = syncs_per_pass(s, model, prompt, ref, kv)
     return out
+
+
+def syncs_per_pass(s: Settings, model: torch.nn.Module, prompt: torch.Tensor, ref: list[int], kv: Any) -> float | None:
+    """Host synchronisations per verify pass at k = 4 (CUDA's sync debug mode counts them; None on CPU).
+
+    The acceptance decision needs one; a second or more means something in the pass waits on the GPU.
+    """
+    if s.device.type != "cuda":
+        return None
+    k = 4
+    n_new = 1 + s.passes * (k + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            st = speculative_generate(model, prompt, OracleDrafter(ref), k, n_new, cache=kv)[1]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return round(syncs / st.target_passes, 2)
 
 
 def section_plain(s: Settings, model: torch.nn.Module, caches: dict) -> dict[str, Any]:
@@ -309,6 +331,8 @@ def markdown(r: dict[str, Any]) -> str:
         rows.append((f"oracle k={k}: pass ms (overhead ms), eager / static",
                      f"{get('oracle', 'dynamic', k, 'pass_ms')} ({get('oracle', 'dynamic', k, 'overhead_ms')}) / "
                      f"{get('oracle', 'static', k, 'pass_ms')} ({get('oracle', 'static', k, 'overhead_ms')})"))
+    rows.append(("host syncs per verify pass (k=4), eager / static",
+                 f"{get('oracle', 'dynamic_syncs_per_pass')} / {get('oracle', 'static_syncs_per_pass')}"))
     rows.append(("plain tokens/s, eager / static", f"{get('plain', 'dynamic_tokens_per_s')} / {get('plain', 'static_tokens_per_s')}"))
     rows.append(("EAGLE-3 training tokens/s (MFU, head MFU)",
                  f"{get('head_train', 'tokens_per_s')} ({get('head_train', 'mfu')}, {get('head_train', 'head_mfu')})"))

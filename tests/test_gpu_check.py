@@ -32,7 +32,7 @@ KS = [str(k) for k in range(1, 9)]
 ORACLE_ROW = {"tau", "tau_exact", "pass_ms", "verify_ms", "overhead_ms", "overhead_frac", "tokens_per_s"}
 SECTIONS = {
     "verify_cost": {"context_len", "ns", "dynamic_ms", "static_ms"},
-    "oracle": {"passes", "prompt_len", "dynamic", "static"},
+    "oracle": {"passes", "prompt_len", "dynamic", "static", "dynamic_syncs_per_pass", "static_syncs_per_pass"},
     "plain": {"new_tokens", "dynamic_tokens_per_s", "static_tokens_per_s", "graphs_speedup"},
     "head_train": {"batch", "seq_len", "ttt_length", "draft_vocab", "layer_ids", "step_s", "tokens_per_s",
                    "tflops_per_s", "mfu", "head_mfu", "peak_tflops"},
