@@ -29,6 +29,7 @@ here goes through `cache_kwarg`.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -214,6 +215,7 @@ class StaticKV:
         if graphs and self.device.type != "cuda":
             raise ValueError(f"StaticKV: CUDA graphs need a CUDA model (this one is on {self.device})")
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.graph_error: str | None = None  # why capture failed, if it did (then graphs is False)
         self.key = cache_kwarg(model)
         self.window = sliding_window(model)
         self.length = 0
@@ -304,8 +306,14 @@ class StaticKV:
                     self._forward(step, last_only)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                step.out = self._forward(step, last_only)
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    step.out = self._forward(step, last_only)
+            except RuntimeError as e:  # a model whose forward cannot be captured still decodes, eagerly
+                self.graphs, self.graph_error = False, f"{type(e).__name__}: {e}"
+                warnings.warn(f"StaticKV: CUDA graph capture failed, running eagerly ({self.graph_error})",
+                              stacklevel=3)
+                return self._forward(step, last_only)
             step.graph = graph
         self.slots = step.slots
         step.graph.replay()

@@ -215,6 +215,8 @@ def section_plain(s: Settings, model: torch.nn.Module, caches: dict) -> dict[str
         _, st = plain_generate(model, prompt, s.plain_tokens, cache=caches[kind])
         out[f"{kind}_tokens_per_s"] = round((st.new_tokens - 1) / st.decode_time_s, 2)
     out["graphs_speedup"] = round(out["static_tokens_per_s"] / out["dynamic_tokens_per_s"], 3)
+    # Whether the static cache really replayed CUDA graphs (False on CPU, or after a failed capture).
+    out["static_graphs"], out["graph_error"] = caches["static"].graphs, caches["static"].graph_error
     return out
 
 
@@ -333,6 +335,7 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{get('oracle', 'static', k, 'pass_ms')} ({get('oracle', 'static', k, 'overhead_ms')})"))
     rows.append(("host syncs per verify pass (k=4), eager / static",
                  f"{get('oracle', 'dynamic_syncs_per_pass')} / {get('oracle', 'static_syncs_per_pass')}"))
+    rows.append(("static cache replays CUDA graphs", f"{get('plain', 'static_graphs')} {get('plain', 'graph_error')}"))
     rows.append(("plain tokens/s, eager / static", f"{get('plain', 'dynamic_tokens_per_s')} / {get('plain', 'static_tokens_per_s')}"))
     rows.append(("EAGLE-3 training tokens/s (MFU, head MFU)",
                  f"{get('head_train', 'tokens_per_s')} ({get('head_train', 'mfu')}, {get('head_train', 'head_mfu')})"))

@@ -33,7 +33,7 @@ from eval.decoder import (
     verify_tree,
 )
 from eval.drafters import ModelDrafter, NgramDrafter, layer_prefix_model, self_speculative_drafter
-from eval.kvcache import CACHE_KINDS, rollback_cache
+from eval.kvcache import CACHE_KINDS, DynamicKV, StaticKV, new_kv, rollback_cache
 from heads.base import DraftTree, Features
 from heads.tree import DEFAULT_CHOICES, StaticTree, is_chain, tree_depth, tree_layout
 
@@ -302,6 +302,32 @@ def test_rollback_gathers_accepted_tree_nodes(target, prompt):
     rollback_cache(cache, past, 4, [0, 1])
     assert cache.get_seq_length() == past + 2
     torch.testing.assert_close(cache.layers[0].keys, ref.layers[0].keys[:, :, : past + 2])
+
+
+def test_static_cache_matches_dynamic_through_trees_and_growth(target, prompt, reference):
+    """Tree passes keeping a non-prefix path, on a static cache that grows mid-way: same logits as dynamic.
+    Reused for a whole generation, the static cache starts empty again."""
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(259, (1, 70), generator=g)
+    dyn, sta = DynamicKV(target), StaticKV(target, max_len=70)
+    assert sta.max_len == 128 and not sta.graphs  # rounded up to aligned masks; no graphs on CPU
+    parents = torch.tensor([-1, 0, 0, 2])  # root -> a -> b, a -> c -> d: keep the path root, a, c, d
+    for kv in (dyn, sta):
+        kv.run(ctx, logits_to_keep=1)
+        kv.keep(range(70))
+    for _ in range(20):  # 70 + 20 * 4 rows > 128: the static cache grows with rows to carry over
+        ids = torch.randint(259, (1, 5), generator=g)
+        (a, _), (b, _) = dyn.run(ids, parents), sta.run(ids, parents)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        for kv in (dyn, sta):
+            kv.keep([0, 1, 3, 4])
+    assert sta.max_len > 128 and sta.length == dyn.length == 150
+    _check_identical(target, prompt, reference, StaticTreeDrafter(reference, 0), 5, cache=sta)
+    assert new_kv(target, sta) is sta and sta.length == 0
+    with pytest.raises(ValueError, match="same model"):
+        new_kv(layer_prefix_model(target, 1), sta)
+    with pytest.raises(ValueError, match="cache must be one of"):
+        new_kv(target, "paged")
 
 
 def test_dynamic_cache_crop_takes_negative_counts():

@@ -33,7 +33,8 @@ ORACLE_ROW = {"tau", "tau_exact", "pass_ms", "verify_ms", "overhead_ms", "overhe
 SECTIONS = {
     "verify_cost": {"context_len", "ns", "dynamic_ms", "static_ms"},
     "oracle": {"passes", "prompt_len", "dynamic", "static", "dynamic_syncs_per_pass", "static_syncs_per_pass"},
-    "plain": {"new_tokens", "dynamic_tokens_per_s", "static_tokens_per_s", "graphs_speedup"},
+    "plain": {"new_tokens", "dynamic_tokens_per_s", "static_tokens_per_s", "graphs_speedup", "static_graphs",
+              "graph_error"},
     "head_train": {"batch", "seq_len", "ttt_length", "draft_vocab", "layer_ids", "step_s", "tokens_per_s",
                    "tflops_per_s", "mfu", "head_mfu", "peak_tflops"},
     "extract": {"rows", "seq_len", "layer_ids", "extract_tokens_per_s", "plain_tokens_per_s", "ratio"},
