@@ -19,7 +19,9 @@ new rows; sliding-window layers also the window) and explicit positions, so tran
 skipped and stale slots never leak. On CUDA each input size q is captured once as a CUDA graph (static input
 buffers, shared memory pool) and replayed; the small host inputs go through pinned staging buffers, so a pass
 issues no host synchronisation of its own: the caller's read of the logits (the acceptance decision) is the one.
-Room runs out -> the cache grows (doubling, graphs recaptured), so `room` is a hint, not a limit.
+Room runs out -> the cache grows (doubling, graphs recaptured), so `room` is a hint, not a limit. The prefill
+(the first run on an empty cache) runs eagerly with a [T, max_len] mask: fine for prompts of a few thousand
+tokens, not for very long ones.
 
 transformers renamed the forward argument `past_key_values` to `cache` between 5.17 (the GPU image) and 5.24
 (pinned here); passing the wrong name is silently ignored (the model builds a private cache), so every call
@@ -186,18 +188,26 @@ class _Step:
         self.pos = torch.zeros(1, q, dtype=torch.long, device=device)
         self.slots = torch.arange(q, device=device)
         self.causal = torch.ones(q, q, dtype=torch.bool, device=device).tril_()
-        self.anc = torch.zeros(q, q, dtype=torch.bool, device=device)
         full = torch.zeros(1, 1, q, max_len, dtype=dtype, device=device)
         self.mask: torch.Tensor | dict[str, torch.Tensor] = full
         if window is not None:
             self.mask = {"full_attention": full, "sliding_attention": torch.zeros_like(full)}
         # Host staging: pinned on CUDA so the copies are asynchronous (the event guards reuse).
+        self.pin = pin
         self.h_ids = torch.zeros(q, dtype=torch.long, pin_memory=pin)
-        self.h_depth = torch.zeros(q, dtype=torch.long, pin_memory=pin)
-        self.h_anc = torch.zeros(q, q, dtype=torch.bool, pin_memory=pin)
+        self.tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see tree_buffers
         self.copied = torch.cuda.Event() if pin else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[torch.Tensor, Features | None] | None = None
+
+    def tree_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(host ancestor mask, host depths, device ancestor mask), made on the first tree of this size."""
+        if self.tree is None:
+            q, dev = self.q, self.causal.device
+            self.tree = (torch.zeros(q, q, dtype=torch.bool, pin_memory=self.pin),
+                         torch.zeros(q, dtype=torch.long, pin_memory=self.pin),
+                         torch.zeros(q, q, dtype=torch.bool, device=dev))
+        return self.tree
 
 
 class StaticKV:
@@ -263,12 +273,12 @@ class StaticKV:
             anc = step.causal
         else:
             a, depths = tree_layout(parents)
-            step.h_anc.copy_(a)
-            step.h_depth[1:].copy_(depths)
-            step.anc.copy_(step.h_anc, non_blocking=True)
-            step.pos[0].copy_(step.h_depth, non_blocking=True)
+            h_anc, h_depth, anc = step.tree_buffers()
+            h_anc.copy_(a)
+            h_depth[1:].copy_(depths)
+            anc.copy_(h_anc, non_blocking=True)
+            step.pos[0].copy_(h_depth, non_blocking=True)
             step.pos.add_(base)
-            anc = step.anc
         if step.copied is not None:
             step.copied.record()
         torch.arange(base, base + q, out=step.slots)

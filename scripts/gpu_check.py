@@ -157,7 +157,8 @@ def oracle_run(model: torch.nn.Module, prompt: torch.Tensor, k: int, n_new: int,
 
 
 def section_oracle(s: Settings, model: torch.nn.Module, caches: dict, curve: dict | None) -> dict[str, Any]:
-    prompt = prompt_ids(s, 32, seed=1).to(s.device)
+    # A context near the verify curve's (384 + up to 145 new tokens vs 512), within the caches' room.
+    prompt = prompt_ids(s, CONTEXT - 128, seed=1).to(s.device)
     n_max = 1 + s.passes * (max(ORACLE_KS) + 1)
     out: dict[str, Any] = {"passes": s.passes, "prompt_len": prompt.shape[1]}
     for kind in CACHE_KINDS:
@@ -378,7 +379,8 @@ def run_check(s: Settings, peak: float | None) -> dict[str, Any]:
     for name in ("verify_cost", "oracle", "plain", "head_train", "extract"):
         r[name] = None
     if model is not None:
-        caches = {kind: new_kv(model, kind, room=CONTEXT + 2 * max(VERIFY_NS)) for kind in CACHE_KINDS}
+        # The same room as the verify curve's cache, so static forwards attend over as many slots.
+        caches = {kind: new_kv(model, kind, room=CONTEXT + max(VERIFY_NS)) for kind in CACHE_KINDS}
         r["verify_cost"] = section("verify_cost", lambda: section_verify_cost(s, model))
         r["oracle"] = section("oracle", lambda: section_oracle(s, model, caches, r["verify_cost"]))
         r["plain"] = section("plain", lambda: section_plain(s, model, caches))
