@@ -261,8 +261,8 @@ class StaticKV:
     def _stage(self, step: _Step, ids: torch.Tensor, parents: torch.Tensor | None) -> None:
         """Write this forward's ids, positions, slots and mask into the step's buffers (no host sync)."""
         q, base = step.q, self.length
-        if step.copied is not None:
-            step.copied.synchronize()  # the last copies out of the staging buffers are done (normally long ago)
+        if step.copied is not None and not step.copied.query():
+            step.copied.synchronize()  # wait until the last copies out of the staging buffers are done (rare)
         if ids.device.type == "cpu":
             step.h_ids.copy_(ids.reshape(-1))
             step.ids[0].copy_(step.h_ids, non_blocking=True)
