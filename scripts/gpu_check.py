@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py --json runs/gpu_check.json          # on one GPU (H200: ~2-4 min, budget 8)
     python scripts/gpu_check.py --tiny --json /tmp/gpu_check.json   # the same code on CPU, tiny shapes (< 2 min)
+    python scripts/gpu_check.py --only oracle,plain                  # rerun some sections (after the build)
 
 Sections (each timed, budgeted, and recorded with its error instead of stopping the run):
   build        the target built on the device in its dtype directly (bf16): Llama-3.1-8B's architecture
@@ -348,7 +349,10 @@ def markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines + ([""] + ["Errors:"] + errors if errors else [])) + "\n"
 
 
-def run_check(s: Settings, peak: float | None) -> dict[str, Any]:
+SECTIONS = ("verify_cost", "oracle", "plain", "head_train", "extract")
+
+
+def run_check(s: Settings, peak: float | None, only: set[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     r: dict[str, Any] = {
         "tiny": s.tiny,
@@ -360,6 +364,8 @@ def run_check(s: Settings, peak: float | None) -> dict[str, Any]:
     }
 
     def section(name: str, fn: Callable[[], Any]) -> Any:
+        if only is not None and name != "build" and name not in only:
+            return None
         t0 = time.perf_counter()
         err = None
         try:
@@ -376,7 +382,7 @@ def run_check(s: Settings, peak: float | None) -> dict[str, Any]:
 
     model = section("build", lambda: build_target(s))
     r["build"] = None if model is None else {"params": sum(p.numel() for p in model.parameters())}
-    for name in ("verify_cost", "oracle", "plain", "head_train", "extract"):
+    for name in SECTIONS:
         r[name] = None
     if model is not None:
         # The same room as the verify curve's cache, so static forwards attend over as many slots.
@@ -398,7 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", type=Path, default=None, help="markdown table (default: the JSON path with .md)")
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "llama8b.yaml", help="head and batch settings")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak for MFU")
+    ap.add_argument("--only", default=None, help=f"comma-separated sections to run (of {', '.join(SECTIONS)})")
     args = ap.parse_args(argv)
+    only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
+    if only is not None and not only <= set(SECTIONS):
+        print(f"error: --only: unknown section {sorted(only - set(SECTIONS))[0]!r} (known: {', '.join(SECTIONS)})",
+              file=sys.stderr)
+        return 2
     if args.tiny:
         device = torch.device("cpu")
     elif torch.cuda.is_available():
@@ -415,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if peak is None and device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = next((v for key, v in PEAK_TFLOPS.items() if key in name), None)
-    r = run_check(s, peak)
+    r = run_check(s, peak, only)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(r, indent=1, default=str))
     md = args.md or args.json.with_suffix(".md")
