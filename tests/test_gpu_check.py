@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MISSING_ON_GPU_IMAGE = ("datasets", "wandb", "gguf", "deepspeed")
@@ -75,8 +79,11 @@ def test_tiny_check_writes_every_key_without_the_missing_packages(tmp_path):
     assert r["head_train"]["tokens_per_s"] > 0 and r["extract"]["ratio"] > 0
 
 
-def test_full_check_refuses_without_a_gpu(tmp_path):
-    if sys.modules.get("torch") is not None and __import__("torch").cuda.is_available():
-        return  # a machine with a GPU would run the real check
-    res = _run(["--json", str(tmp_path / "x.json")], timeout=120)
-    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "--tiny" in res.stderr
+def test_full_check_refuses_without_a_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a machine with a GPU would run the real check")
+    main = runpy.run_path(str(ROOT / "scripts" / "gpu_check.py"))["main"]
+    assert main(["--json", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "--tiny" in err
+    assert main(["--tiny", "--only", "bogus"]) == 2 and "unknown section 'bogus'" in capsys.readouterr().err
