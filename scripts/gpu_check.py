@@ -21,7 +21,8 @@ Sections (each timed, budgeted, and recorded with its error instead of stopping 
                tokens/s against a plain decoder forward over the same batch
 
 Writes one JSON (every section's numbers, seconds and error) and a markdown table (`--md`, default: the JSON
-path with .md). Imports only torch, transformers, pyyaml and project modules that need nothing else (the GPU
+path with .md), rewritten after every section, so a run killed midway keeps what it measured; a section not
+started 420 s after launch is skipped (`--deadline-s`), so the whole run fits one 10-minute device call. Imports only torch, transformers, pyyaml and project modules that need nothing else (the GPU
 image lacks datasets, wandb, gguf and deepspeed; tests/test_gpu_check.py runs `--tiny` with those blocked).
 Exit status 2 with one line when no CUDA device is visible without --tiny; 1 when a section failed.
 """
@@ -40,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+T_START = time.perf_counter()  # the deadline and total_s count the imports too
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -66,8 +68,10 @@ ORACLE_KS = list(range(1, 9))
 CONTEXT = 512
 # Dense bf16 peak (TFLOP/s) by device name; MFU is null for a device not listed (override: --peak-tflops).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
-# Seconds each section may take on the full run (8 minutes in all, build and imports included).
+# Seconds each section may take on the full run (8 minutes in all, build and imports included). A section
+# not started by DEADLINE_S is skipped, so the run ends inside one 10-minute device call whatever happens.
 BUDGET_S = {"build": 60, "verify_cost": 120, "oracle": 90, "plain": 45, "head_train": 60, "extract": 45}
+DEADLINE_S = 420.0
 
 
 # ----------------------------------------------------------------------------------------------- setup
@@ -90,6 +94,7 @@ class Settings:
         self.plain_tokens = 16 if tiny else 256
         self.train_steps = 2 if tiny else 8
         self.budget = {k: (10_000.0 if tiny else v) for k, v in BUDGET_S.items()}
+        self.deadline_s = 10_000.0 if tiny else DEADLINE_S
 
 
 def sync(device: torch.device) -> None:
@@ -352,8 +357,9 @@ def markdown(r: dict[str, Any]) -> str:
 SECTIONS = ("verify_cost", "oracle", "plain", "head_train", "extract")
 
 
-def run_check(s: Settings, peak: float | None, only: set[str] | None = None) -> dict[str, Any]:
-    t_start = time.perf_counter()
+def run_check(s: Settings, peak: float | None, only: set[str] | None = None,
+              save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every section in turn; `save(r)` after each, so a run killed midway still leaves its numbers."""
     r: dict[str, Any] = {
         "tiny": s.tiny,
         "env": {"device": torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else platform.processor() or "cpu",
@@ -361,39 +367,50 @@ def run_check(s: Settings, peak: float | None, only: set[str] | None = None) -> 
                 "python": platform.python_version(), "dtype": str(s.dtype).replace("torch.", "")},
         "shapes": dict(s.shapes),
         "sections": {},
+        "build": None,
+        **{name: None for name in SECTIONS},
+        "total_s": None,
     }
 
     def section(name: str, fn: Callable[[], Any]) -> Any:
         if only is not None and name != "build" and name not in only:
             return None
         t0 = time.perf_counter()
-        err = None
-        try:
-            value = fn()
-        except Exception as e:  # one failed section must not lose the others' numbers (one device call)
-            value, err = None, f"{type(e).__name__}: {e}"
-            traceback.print_exc()
+        value, err = None, None
+        if t0 - T_START > s.deadline_s:
+            err = f"skipped: {t0 - T_START:.0f} s had passed (deadline {s.deadline_s:.0f} s)"
+        else:
+            try:
+                value = fn()
+            except Exception as e:  # one failed section must not lose the others' numbers (one device call)
+                err = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
         dt = time.perf_counter() - t0
+        if name in SECTIONS:
+            r[name] = value
         over = dt > s.budget[name]
         r["sections"][name] = {"seconds": round(dt, 2), "budget_s": s.budget[name], "over_budget": over, "error": err}
         print(f"[gpu_check] {name}: {dt:.1f} s{' (OVER BUDGET)' if over else ''}{' ERROR ' + err if err else ''}",
               file=sys.stderr, flush=True)
+        r["total_s"] = round(time.perf_counter() - T_START, 1)
+        if save is not None:
+            save(r)
         return value
 
     model = section("build", lambda: build_target(s))
-    r["build"] = None if model is None else {"params": sum(p.numel() for p in model.parameters())}
-    for name in SECTIONS:
-        r[name] = None
+    if model is not None:
+        r["build"] = {"params": sum(p.numel() for p in model.parameters())}
+        if save is not None:
+            save(r)
     if model is not None:
         # The same room as the verify curve's cache, so static forwards attend over as many slots.
         caches = {kind: new_kv(model, kind, room=CONTEXT + max(VERIFY_NS)) for kind in CACHE_KINDS}
-        r["verify_cost"] = section("verify_cost", lambda: section_verify_cost(s, model))
-        r["oracle"] = section("oracle", lambda: section_oracle(s, model, caches, r["verify_cost"]))
-        r["plain"] = section("plain", lambda: section_plain(s, model, caches))
+        section("verify_cost", lambda: section_verify_cost(s, model))
+        section("oracle", lambda: section_oracle(s, model, caches, r["verify_cost"]))
+        section("plain", lambda: section_plain(s, model, caches))
         del caches
-        r["head_train"] = section("head_train", lambda: section_head_train(s, model, peak))
-        r["extract"] = section("extract", lambda: section_extract(s, model))
-    r["total_s"] = round(time.perf_counter() - t_start, 1)
+        section("head_train", lambda: section_head_train(s, model, peak))
+        section("extract", lambda: section_extract(s, model))
     return r
 
 
@@ -404,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", type=Path, default=None, help="markdown table (default: the JSON path with .md)")
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "llama8b.yaml", help="head and batch settings")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak for MFU")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help=f"skip sections not started this many seconds after launch (default {DEADLINE_S:.0f}; none with --tiny)")
     ap.add_argument("--only", default=None, help=f"comma-separated sections to run (of {', '.join(SECTIONS)})")
     args = ap.parse_args(argv)
     only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
@@ -423,15 +442,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # ConfigError: one line naming the file and key
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.deadline_s is not None:
+        s.deadline_s = args.deadline_s
     peak = args.peak_tflops
     if peak is None and device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = next((v for key, v in PEAK_TFLOPS.items() if key in name), None)
-    r = run_check(s, peak, only)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(r, indent=1, default=str))
     md = args.md or args.json.with_suffix(".md")
-    md.write_text(markdown(r))
+
+    def save(r: dict[str, Any]) -> None:
+        args.json.write_text(json.dumps(r, indent=1, default=str))
+        md.write_text(markdown(r))
+
+    r = run_check(s, peak, only, save)
     print(markdown(r))
     return 1 if any(sec["error"] for sec in r["sections"].values()) else 0
 

@@ -87,3 +87,12 @@ def test_full_check_refuses_without_a_gpu(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and "--tiny" in err
     assert main(["--tiny", "--only", "bogus"]) == 2 and "unknown section 'bogus'" in capsys.readouterr().err
+
+
+def test_sections_past_the_deadline_are_skipped_and_saved(tmp_path):
+    main = runpy.run_path(str(ROOT / "scripts" / "gpu_check.py"))["main"]
+    out = tmp_path / "late.json"
+    assert main(["--tiny", "--deadline-s", "0", "--json", str(out)]) == 1
+    r = json.loads(out.read_text())
+    assert r["sections"]["build"]["error"].startswith("skipped") and r["build"] is None and r["oracle"] is None
+    assert "skipped" in (tmp_path / "late.md").read_text()
