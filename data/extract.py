@@ -37,22 +37,26 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from data.config import RunConfig, parse_args
+from data.cli import cli_main
+from data.config import ConfigError, RunConfig, check_layer_ids, parse_args
 from data.features import forward_features
 from data.store import (
     FORMAT,
     FORMAT_VERSION,
     HEADER_KEYS,
     MANIFEST,
+    STORE_INDEX,
     ShardWriter,
     StoreError,
     bytes_per_token,
     check_disk_space,
     free_bytes,
     merge,
+    named_splits,
     part_files,
     part_name,
     read_json,
+    record_splits,
     sha256_file,
     shard_index,
     shard_name,
@@ -257,15 +261,15 @@ def _existing_bytes(split_dir: Path, header: dict) -> int:
 
 def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0, num_shards: int = 1) -> list[Path]:
     """Extract the configured splits (this process's share); returns the split folders."""
-    from data.target import load_target, resolve_device
+    from data.target import load_config_only, load_target, resolve_device
     from data.tokenize import build_datasets
 
     if not 0 <= shard_index_ < num_shards:
-        raise ValueError(f"--shard-index {shard_index_} must be in 0..{num_shards - 1}")
+        raise ConfigError(f"--shard-index {shard_index_} must be in 0..{num_shards - 1}")
     state = None
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under accelerate launch / torchrun
     if cfg.target.device_map and launched:
-        raise ValueError(f"target.device_map '{cfg.target.device_map}' spreads one target over all GPUs of its "
+        raise ConfigError(f"target.device_map '{cfg.target.device_map}' spreads one target over all GPUs of its "
                          f"process; run one process per node (accelerate launch --num_processes 1; "
                          f"extract.sbatch: PROCS_PER_NODE=1), not {os.environ['WORLD_SIZE']}")
     if launched:
@@ -279,6 +283,7 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
     nproc, pidx = (state.num_processes, state.process_index) if state else (1, 0)
     rank, world = shard_index_ * nproc + pidx, num_shards * nproc
     loud = pidx == 0
+    check_layer_ids(cfg, text_config(load_config_only(cfg.target)))  # before the weights load
     model, tok, _ = load_target(cfg.target)
     layer_ids = head_layer_ids(cfg, text_config(model.config))
     with state.main_process_first() if state else nullcontext():  # tokenized cache: written once, then read
@@ -301,6 +306,9 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
     check_disk_space(root, left)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     progress = state.is_local_main_process if state else True
+    if pidx == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        record_splits(root, splits)
     t0 = time.perf_counter()
     for s in splits:
         extract_split(model, data[s], root / s, headers[s], rank, pad_id, show_progress=progress)
@@ -329,6 +337,11 @@ def _subcommand(argv: list[str]) -> int:
     args = p.parse_args(argv)
     bad = 0
     try:
+        root = Path(args.store)
+        for s in named_splits(root):
+            if not (root / s).is_dir():
+                print(f"BAD {root / s}: missing (split named in {root / STORE_INDEX})")
+                bad += 1
         for folder in split_dirs(args.store):
             if args.command == "merge":
                 m = merge(folder)
@@ -347,6 +360,7 @@ def _subcommand(argv: list[str]) -> int:
     return 1 if bad else 0
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("verify", "merge"):
@@ -359,11 +373,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, args = parse_args("Extract target features into the offline store.", argv, extra)
     splits = SPLITS if args.split == "all" else (args.split,)
-    try:
-        run(cfg, splits, args.shard_index, args.num_shards)
-    except (StoreError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run(cfg, splits, args.shard_index, args.num_shards)
 
 
 if __name__ == "__main__":

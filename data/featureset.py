@@ -13,8 +13,8 @@ all on the CPU (the loop moves them), features zero on padding positions in both
 cfg.features.mode picks the source:
   offline  reads STORE/<split_name> (cfg.features.store, relative to cfg.out unless absolute), written by
            `python -m data.extract`. Opening refuses, naming the mismatch, a store made for another target
-           (fingerprint, or name and shape when no model is given), other layer ids, or other tokenized
-           data (fingerprint, sample count or any sample's length).
+           (fingerprint of the model or of the given `fingerprint`; name and shape too when no model is
+           given), other layer ids, or other tokenized data (fingerprint, sample count or any sample's length).
   online   runs the frozen target over the padded batch (data.features.forward_features, no logits) on
            the target's device and leaves `last`/`aux` there; nothing touches the disk.
 A test checks both modes give identical tensors on the tiny target (store in float32).
@@ -79,7 +79,7 @@ class FeatureSet:
 
 
 def _check_store(reader: StoreReader, cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.Module | None,
-                 layer_ids: list[int]) -> None:
+                 layer_ids: list[int], fingerprint: str | None = None) -> None:
     """Refuse a store that does not fit this run, naming the store folder and the mismatch."""
     from data.extract import target_info
     from data.target import load_config_only, text_config
@@ -102,6 +102,12 @@ def _check_store(reader: StoreReader, cfg: RunConfig, dataset: datasets.Dataset,
                 raise StoreMismatchError(f"{where}: store made for a target with {key} {have.get(key)!r}, "
                                          f"but target.{'name_or_path' if key == 'name_or_path' else 'config'} "
                                          f"gives {value!r}")
+        # The weights themselves: a folder refilled with other weights of the same shapes keeps its name.
+        if fingerprint and have.get("fingerprint") != fingerprint:
+            raise StoreMismatchError(
+                f"{where}: store made for target '{have['name_or_path']}' (fingerprint {have.get('fingerprint')}), "
+                f"but the target '{cfg.target.name_or_path}' now has fingerprint {fingerprint} (its weights "
+                f"changed); re-extract")
     if list(m["layer_ids"]) != list(layer_ids):
         raise StoreMismatchError(f"{where}: store has layer ids {m['layer_ids']} but the head needs {list(layer_ids)} "
                                  f"(re-extract for this head, or use features.mode=online)")
@@ -119,8 +125,11 @@ def _check_store(reader: StoreReader, cfg: RunConfig, dataset: datasets.Dataset,
 
 
 def open_featureset(cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.Module | None, layer_ids: list[int],
-                    split_name: str, pad_id: int = 0) -> FeatureSet:
-    """A FeatureSet over `dataset` in cfg.features.mode (see the module docstring for the checks)."""
+                    split_name: str, pad_id: int = 0, fingerprint: str | None = None) -> FeatureSet:
+    """A FeatureSet over `dataset` in cfg.features.mode (see the module docstring for the checks).
+
+    `fingerprint`: the target's (heads.base.target_fingerprint, e.g. TargetIO.fingerprint) when no model is
+    given; the training loop always passes it, so a store of other weights is refused offline too."""
     mode = cfg.features.mode
     if mode == "online":
         if target_model is None:
@@ -129,5 +138,5 @@ def open_featureset(cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.
     if mode != "offline":
         raise ValueError(f"features.mode '{mode}' is not one of offline, online")
     reader = StoreReader(store_root(cfg) / split_name, verify_checksums=cfg.features.verify_on_read)
-    _check_store(reader, cfg, dataset, target_model, layer_ids)
+    _check_store(reader, cfg, dataset, target_model, layer_ids, fingerprint)
     return FeatureSet(dataset, layer_ids, pad_id, reader=reader)

@@ -23,10 +23,13 @@ from __future__ import annotations
 import gzip
 import json
 import sys
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from data.cli import UserError
 
 FORMATS = ("auto", "sharegpt", "messages", "mtbench", "qa", "prompts", "hf")
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -34,7 +37,7 @@ _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 _PROMPT_KEYS = ("prompt", "question", "instruction", "text")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data record or file is malformed; the message names the file and line."""
 
 
@@ -133,21 +136,34 @@ def _open_text(path: Path) -> Iterable[str]:
     return path.open(encoding="utf-8")
 
 
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a text file; DataError naming the file and line for bytes that are not
+    UTF-8, and for a truncated or damaged .gz."""
+    lineno = 0
+    try:
+        with _open_text(path) as f:
+            for lineno, line in enumerate(f, 1):
+                yield lineno, line
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason} at byte {e.start} of a read block)") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DataError(f"{path}: truncated or damaged gzip file after line {lineno} ({e})") from None
+
+
 def _iter_jsonl(path: Path, fmt: str, skip_malformed: bool, stats: ReadStats) -> Iterator[Record]:
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
             try:
-                try:
-                    obj = json.loads(line.rstrip("\r\n"))
-                except json.JSONDecodeError as e:
-                    # json counts lines and columns inside this one line; report the column only
-                    raise ValueError(f"invalid JSON: {e.msg} at column {e.pos + 1}") from None
-                yield parse_record(obj, fmt, f"{path.stem}-{lineno}")
-                stats.read += 1
-            except ValueError as e:
-                _malformed(f"{path}:{lineno}: {e}", skip_malformed, stats)
+                obj = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                # json counts lines and columns inside this one line; report the column only
+                raise ValueError(f"invalid JSON: {e.msg} at column {e.pos + 1}") from None
+            yield parse_record(obj, fmt, f"{path.stem}-{lineno}")
+            stats.read += 1
+        except ValueError as e:
+            _malformed(f"{path}:{lineno}: {e}", skip_malformed, stats)
 
 
 def iter_records(

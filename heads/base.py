@@ -9,7 +9,8 @@ A family is a module in `heads/` (`eagle.py`, `medusa.py`, `mtp.py`) that provid
     drafter(head, target: TargetIO, **kw) -> Drafter  the decoder adapter (see `Drafter` below)
 
 A head folder is what `save_head` writes and `load_head` reads (`config.json` + `model.safetensors`);
-`load_head` refuses a folder whose target (hidden size, vocab, layers, fingerprint) does not match.
+`load_head` refuses a folder whose target (hidden size, vocab, layers, fingerprint) does not match, whose
+weights differ from the sha256 config.json records, or hold NaN/inf (HeadError, one line at the CLI).
 
 Feature convention (shared with data.features, the store and the decoder): `aux` is the concatenation, in
 ascending order, of transformers' `hidden_states[i]` for the requested indices i (index 0 is the embedding
@@ -23,6 +24,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,7 +44,13 @@ FAMILIES: dict[str, str] = {
 }
 
 
-class HeadMismatchError(ValueError):
+class HeadError(ValueError):
+    """A head folder is unusable (unreadable, truncated, tampered, non-finite); the message names the file.
+
+    data.cli.cli_main reports it (and every subclass) as one line with exit code 2."""
+
+
+class HeadMismatchError(HeadError):
     """A head folder does not fit the target (or the store); the message names the mismatch."""
 
 
@@ -213,13 +221,40 @@ class HeadMeta:
     extra: dict = field(default_factory=dict)  # training data, steps, etc.
 
 
+def sha256_file(path: str | Path, chunk: int = 1 << 23) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_finite(state: dict[str, torch.Tensor], where: str) -> None:
+    """HeadError naming the first float tensor holding NaN or inf (a diverged run or a damaged file)."""
+    for k, v in state.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            n = int((~torch.isfinite(v)).sum())
+            raise HeadError(f"{where}: weight '{k}' holds {n} non-finite values (NaN/inf): a diverged run or a "
+                            f"damaged file; nothing is trusted from it")
+
+
+def _fsync_replace(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    tmp.replace(final)
+
+
 def save_head(path: str | Path, head: nn.Module, cfg: HeadConfig, target: TargetIO, extra: dict | None = None) -> Path:
-    """Write `path/config.json` and `path/model.safetensors` (written to temp names, then renamed)."""
+    """Write `path/config.json` and `path/model.safetensors` (temp names, fsync, rename; weights first).
+
+    config.json records the sha256 of model.safetensors (`files`), checked by load_head; non-finite
+    weights are refused (HeadError) before anything is written."""
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     mod = family_module(cfg.family)
     layer_ids = list(mod.feature_layers(cfg, target.config))
     state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    check_finite(state, str(out))
+    out.mkdir(parents=True, exist_ok=True)
     floats = [v for v in state.values() if v.is_floating_point()]  # skip index buffers such as d2t
     dtype = str(floats[0].dtype).replace("torch.", "") if floats else "float32"
     meta = {
@@ -241,9 +276,10 @@ def save_head(path: str | Path, head: nn.Module, cfg: HeadConfig, target: Target
     }
     tmp = out / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt", "family": cfg.family})
-    tmp.replace(out / "model.safetensors")
+    meta["files"] = {"model.safetensors": sha256_file(tmp)}
+    _fsync_replace(tmp, out / "model.safetensors")
     (out / "config.json.tmp").write_text(json.dumps(meta, indent=2))
-    (out / "config.json.tmp").replace(out / "config.json")
+    _fsync_replace(out / "config.json.tmp", out / "config.json")
     return out
 
 
@@ -252,22 +288,32 @@ def read_head_config(path: str | Path) -> tuple[HeadConfig, dict]:
     folder = Path(path)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{folder}: not a head folder (no config.json)")
+        raise HeadError(f"{folder}: not a head folder (no config.json)")
     try:
         meta = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
-    if meta.get("format") != "draftheads":
-        raise ValueError(f"{cfg_path}: not a draftheads head folder (use scripts/export.py --import for other layouts)")
-    family = meta["family"]
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HeadError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != "draftheads":
+        raise HeadError(f"{cfg_path}: not a draftheads head folder (use scripts/export.py --import for other layouts)")
+    family = meta.get("family")
+    if family not in FAMILIES:
+        raise HeadError(f"{cfg_path}: key 'family' is {family!r}, not one of {', '.join(sorted(FAMILIES))}")
+    raw = meta.get("head_config")
+    if not isinstance(raw, dict) or raw.get("family", family) != family:
+        raise HeadError(f"{cfg_path}: key 'head_config' is missing or names another family than 'family' ({family})")
+    for key in ("target", "layer_ids"):
+        if not isinstance(meta.get(key), dict if key == "target" else list):
+            raise HeadError(f"{cfg_path}: key '{key}' is missing or malformed")
     cls = family_module(family).CONFIGS[family]
     known = {f.name for f in dataclasses.fields(cls)}
-    raw = meta["head_config"]
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ValueError(f"{cfg_path}: unknown head_config key '{unknown[0]}' for family {family}")
+        raise HeadError(f"{cfg_path}: unknown head_config key '{unknown[0]}' for family {family}")
     kwargs = {k: tuple(v) if isinstance(getattr(cls, k, None), tuple) else v for k, v in raw.items()}
-    return cls(**kwargs), meta
+    try:
+        return cls(**kwargs), meta
+    except (TypeError, ValueError) as e:
+        raise HeadError(f"{cfg_path}: key 'head_config': {e}") from None
 
 
 def check_target(meta: dict, target: TargetIO, where: str, strict_fingerprint: bool = True) -> None:
@@ -300,17 +346,26 @@ def load_head(path: str | Path, target: TargetIO, strict_fingerprint: bool = Tru
         )
     weights = folder / "model.safetensors"
     if not weights.is_file():
-        raise FileNotFoundError(f"{weights}: missing")
+        raise HeadError(f"{weights}: missing")
+    want_sha = meta.get("files", {}).get("model.safetensors") if isinstance(meta.get("files"), dict) else None
+    if want_sha is not None and sha256_file(weights) != want_sha:
+        raise HeadError(f"{weights}: corrupted or changed (sha256 differs from {folder / 'config.json'})")
     try:
         state = load_file(str(weights))
     except Exception as e:  # safetensors raises its own error types for truncated files
-        raise ValueError(f"{weights}: unreadable or truncated ({e})") from None
-    head = mod.build(cfg, target)
-    missing, unexpected = head.load_state_dict(state, strict=False)
+        raise HeadError(f"{weights}: unreadable or truncated ({' '.join(str(e).split())})") from None
+    check_finite(state, str(weights))
+    try:
+        head = mod.build(cfg, target)
+    except ValueError as e:
+        raise HeadMismatchError(f"{folder / 'config.json'}: head_config does not fit this target ({e})") from None
+    own = head.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise HeadMismatchError(f"{weights}: missing keys {missing[:3]} / unexpected keys {unexpected[:3]}")
-    for k, v in head.state_dict().items():
+    for k, v in own.items():  # before load_state_dict, which would raise a bare RuntimeError
         if v.shape != state[k].shape:
             raise HeadMismatchError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+    head.load_state_dict(state)
     head.eval()
     return head, cfg, meta
