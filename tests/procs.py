@@ -1,6 +1,6 @@
 """Subprocesses for tests that can never hang the suite (imported by test modules; not a test module itself).
 
-    from procs import start, finish, run, free_port
+    from procs import start, finish, communicate, run, free_port
     proc = start([sys.executable, "train/eagle.py", ...], cwd=ROOT, env=env)   # its own process group
     rc, out = finish(proc, timeout=300)            # on timeout: the WHOLE group is killed, output so far returned
     res = run([...], timeout=60)                   # start + finish; a CompletedProcess (stdout, stderr)
@@ -58,11 +58,12 @@ def _drain(proc: subprocess.Popen) -> tuple[str, str]:
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     """Wait for proc; (returncode, its output). On timeout kill its group and raise TimeoutError with the tail."""
-    out, err = _communicate(proc, timeout)
+    out, err = communicate(proc, timeout)
     return proc.returncode, out + err
 
 
-def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """(stdout, stderr) of proc; on timeout its group is killed and TimeoutError names the command."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -76,7 +77,7 @@ def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
 def run(cmd: Sequence[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess:
     """Like subprocess.run(capture_output=True, text=True), in its own process group, killed whole on timeout."""
     proc = start(cmd, merge_stderr=False, **kwargs)
-    out, err = _communicate(proc, timeout)
+    out, err = communicate(proc, timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
