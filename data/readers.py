@@ -24,7 +24,7 @@ import gzip
 import json
 import sys
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,22 +130,18 @@ def _malformed(reason: str, skip_malformed: bool, stats: ReadStats) -> None:
         stats.errors.append(reason)
 
 
-def _open_text(path: Path) -> Iterable[str]:
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return path.open(encoding="utf-8")
-
-
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a text file; DataError naming the file and line for bytes that are not
-    UTF-8, and for a truncated or damaged .gz."""
+    """(line number, line) of a UTF-8 text file (.gz read through gzip); DataError naming the file and line
+    for bytes that are not UTF-8, and for a truncated or damaged .gz."""
     lineno = 0
     try:
-        with _open_text(path) as f:
-            for lineno, line in enumerate(f, 1):
-                yield lineno, line
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason} at byte {e.start} of a read block)") from None
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    yield lineno, raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start + 1} of the "
+                                    f"line)") from None
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise DataError(f"{path}: truncated or damaged gzip file after line {lineno} ({e})") from None
 

@@ -79,7 +79,7 @@ import torch
 from torch import nn
 
 from data.cli import UserError, cli_main, write_atomic
-from data.config import RunConfig, parse_args, save_config, to_dict
+from data.config import RunConfig, check_layer_ids, parse_args, save_config, to_dict
 from heads.base import HeadMismatchError, TargetIO, check_finite, family_module, save_head, sha256_file
 from train.placement import load_frozen_target
 
@@ -281,11 +281,11 @@ class LossModule(nn.Module):
 # their own (pickle) files through accelerator.save_state; resuming those needs --trust-checkpoint.
 SAFE_SUFFIXES = (".json", ".safetensors")
 CKPT_FORMAT = "draftheads-state"
-# Config keys a resume cannot change (they define the model, its data or its data order); every other
-# changed key is applied and recorded in a `resume` event.
-FIXED_ON_RESUME = ("target.", "data.", "features.mode", "features.dtype", "features.shard_tokens",
-                   "features.batch_tokens", "head.", "seed", "train.batch_size", "train.global_batch_size",
+# Config keys a resume cannot change (they define the model, its data or its data order), except the
+# caches and paths in FREE_ON_RESUME; every other changed key is applied and recorded in a `resume` event.
+FIXED_ON_RESUME = ("target.", "data.", "features.", "head.", "seed", "train.batch_size", "train.global_batch_size",
                    "optim.grad_accum", "optim.betas", "train.mixed_precision")
+FREE_ON_RESUME = ("data.cache_dir", "features.store", "features.verify_on_read", "target.device")
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -507,10 +507,13 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
     # Before anything heavy: the checkpoint is sound and the config changes are ones a resume can apply.
     ckpt, progress = find_checkpoint(out, resume, trust_checkpoint)
     changes = config_changes(progress["config"], to_dict(cfg)) if "config" in progress else {}
-    fixed = [k for k in changes if k.startswith(FIXED_ON_RESUME) or k in FIXED_ON_RESUME]
+    fixed = [k for k in changes if k.startswith(FIXED_ON_RESUME) and k not in FREE_ON_RESUME]
     if fixed:
         raise TrainError(f"{ckpt}: a resumed run cannot change {', '.join(fixed)} (saved "
                          f"{', '.join(f'{k}={changes[k][0]!r}' for k in fixed)}); start a new --out instead")
+    from data.target import load_config_only, text_config
+
+    check_layer_ids(cfg, text_config(load_config_only(cfg.target)))  # before the weights load
     # CPU process groups need gloo (DeepSpeed would otherwise ask for a GPU backend); a single process
     # must get no backend at all, or accelerate expects a process group that nobody started.
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -676,45 +679,47 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
         tokens, t_last = 0, time.perf_counter()
         step, stopped = start, None
         loss_value = float("nan")
-        while step < plan.total_steps:
-            for idx in plan.micro_batches(step, rank):
-                batch = _to_device(train_fs.batch(idx), accelerator.device)
-                tokens += int(batch["attention_mask"].sum())
-                with accelerator.accumulate(wrapped):
-                    loss, m = wrapped(batch)
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients and cfg.optim.grad_clip > 0 and \
-                            accelerator.distributed_type != DistributedType.DEEPSPEED:
-                        accelerator.clip_grad_norm_(wrapped.parameters(), cfg.optim.grad_clip)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                window.add(float(loss.detach()), m)
-            scheduler.step()
-            step += 1
-            if on_step is not None:
-                on_step(step)
-            if step % cfg.train.log_every == 0 or step == plan.total_steps:
-                res = window.reduce(accelerator)
-                elapsed = time.perf_counter() - t_last
-                tok_total = tokens * world
-                tps = tok_total / max(elapsed, 1e-9)
-                loss_value = res["loss"]
-                log.write({"event": "train", "step": step, "lr": scheduler.get_last_lr()[0],
-                           "tokens_per_s": tps, **res})
-                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tps:.0f}")
-                window, tokens, t_last = MetricSum(), 0, time.perf_counter()
-            bar.update(1)
-            if step % cfg.train.eval_every == 0 and step < plan.total_steps:
-                last_eval = evaluate(step)
-            flag = torch.tensor([0 if stop["signal"] is None else 1], device=accelerator.device)
-            if world > 1:
-                flag = accelerator.reduce(flag, reduction="sum")
-            if int(flag) > 0 and step < plan.total_steps:
-                stopped = checkpoint(step)
-                break
-            if step % cfg.train.checkpoint_every == 0 and step < plan.total_steps:
-                checkpoint(step)
-        bar.close()
+        try:  # an error mid-run must not print its one line onto the progress bar
+            while step < plan.total_steps:
+                for idx in plan.micro_batches(step, rank):
+                    batch = _to_device(train_fs.batch(idx), accelerator.device)
+                    tokens += int(batch["attention_mask"].sum())
+                    with accelerator.accumulate(wrapped):
+                        loss, m = wrapped(batch)
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients and cfg.optim.grad_clip > 0 and \
+                                accelerator.distributed_type != DistributedType.DEEPSPEED:
+                            accelerator.clip_grad_norm_(wrapped.parameters(), cfg.optim.grad_clip)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    window.add(float(loss.detach()), m)
+                scheduler.step()
+                step += 1
+                if on_step is not None:
+                    on_step(step)
+                if step % cfg.train.log_every == 0 or step == plan.total_steps:
+                    res = window.reduce(accelerator)
+                    elapsed = time.perf_counter() - t_last
+                    tok_total = tokens * world
+                    tps = tok_total / max(elapsed, 1e-9)
+                    loss_value = res["loss"]
+                    log.write({"event": "train", "step": step, "lr": scheduler.get_last_lr()[0],
+                               "tokens_per_s": tps, **res})
+                    bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tps:.0f}")
+                    window, tokens, t_last = MetricSum(), 0, time.perf_counter()
+                bar.update(1)
+                if step % cfg.train.eval_every == 0 and step < plan.total_steps:
+                    last_eval = evaluate(step)
+                flag = torch.tensor([0 if stop["signal"] is None else 1], device=accelerator.device)
+                if world > 1:
+                    flag = accelerator.reduce(flag, reduction="sum")
+                if int(flag) > 0 and step < plan.total_steps:
+                    stopped = checkpoint(step)
+                    break
+                if step % cfg.train.checkpoint_every == 0 and step < plan.total_steps:
+                    checkpoint(step)
+        finally:
+            bar.close()
         if stopped is not None:
             if main_proc:
                 print(f"stopped by signal; state saved to {stopped}", flush=True)
