@@ -252,7 +252,7 @@ def test_disk_space_projection_refused(tmp_path: Path, monkeypatch: pytest.Monke
     cfg = make_cfg(tmp_path / "run", write_conversations(tmp_path / "c.jsonl", 10))
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
-    with pytest.raises(StoreError, match="the store needs .* GB but only 0.00 GB are free"):
+    with pytest.raises(StoreError, match="the store needs .* but only 1.00 kB are free"):
         run(cfg, ("train",))
     assert "256 bytes per token" in capsys.readouterr().err  # hidden 64 x float32, printed before refusing
     assert not list((tmp_path / "run").glob("features/**/*.safetensors"))
