@@ -17,7 +17,6 @@ import gzip
 import hashlib
 import importlib.util
 import json
-import pickle
 import re
 import shutil
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import data.extract
 import data.tokenize
@@ -159,7 +159,7 @@ def case_store_of_other_weights(tmp: Path, run: Path, store: dict) -> Case:
 
 def case_pickle_in_checkpoint(tmp: Path, run: Path, store: dict) -> Case:
     """Row 2: a pickle file in the newest checkpoint is refused (the payload test below checks it never runs)."""
-    (run / "checkpoints" / "step-00000004" / "custom_checkpoint_0.pkl").write_bytes(pickle.dumps({"a": 1}))
+    torch.save({"a": 1}, run / "checkpoints" / "step-00000004" / "custom_checkpoint_0.pkl")
     return Case(train_main, ["--config", TINY, "--out", str(run), "--resume", "auto", *RUN_FLAGS,
                              "--train.max_steps=6"],
                 ("step-00000004", "custom_checkpoint_0.pkl", "--trust-checkpoint"), [run])
@@ -373,9 +373,13 @@ def test_pickle_payload_in_checkpoint_never_runs(run_copy: Path, tmp_path: Path)
         def __reduce__(self) -> tuple:
             return (open, (str(marker), "w"))
 
-    for ckpt in (run_copy / "checkpoints").iterdir():
-        (ckpt / "custom_checkpoint_0.pkl").write_bytes(pickle.dumps(Payload()))
-        (ckpt / "random_states_0.pkl").write_bytes(pickle.dumps(Payload()))
+    for ckpt in (run_copy / "checkpoints").iterdir():  # torch.save: what accelerate's torch.load reads
+        torch.save(Payload(), ckpt / "custom_checkpoint_0.pkl")
+        torch.save(Payload(), ckpt / "random_states_0.pkl")
+    # The payload is live: unpickled the way accelerate's load_custom_state does, it creates the marker.
+    torch.load(run_copy / "checkpoints" / "step-00000002" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert marker.exists()
+    marker.unlink()
     argv = ["--config", TINY, "--out", str(run_copy), "--resume", "auto", *RUN_FLAGS, "--train.max_steps=5"]
     assert call(train_main, argv) == 2
     assert not marker.exists()
