@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data.cli import UserError
+from data.cli import UserError, cli_main
 
 FORMATS = ("auto", "sharegpt", "messages", "mtbench", "qa", "prompts", "hf")
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -216,16 +216,12 @@ def to_sharegpt(rec: Record) -> dict[str, Any]:
     return {"id": rec.id, "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in rec.messages]}
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print("usage: python -m data.readers FILE [FORMAT]", file=sys.stderr)
-        raise SystemExit(2)
-    try:
-        recs, stats = read_records(args[0], args[1] if len(args) > 1 else "auto")
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise DataError("usage: python -m data.readers FILE [FORMAT]")
+    recs, stats = read_records(args[0], args[1] if len(args) > 1 else "auto")
     turns = sum(len(r.messages) for r in recs)
     print(f"{args[0]}: {len(recs)} records, {turns} messages, {stats.skipped} skipped")
 
