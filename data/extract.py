@@ -48,6 +48,7 @@ from data.store import (
     STORE_INDEX,
     ShardWriter,
     StoreError,
+    StoreMismatchError,
     bytes_per_token,
     check_disk_space,
     free_bytes,
@@ -67,7 +68,7 @@ from data.store import (
     write_json_atomic,
 )
 from data.target import text_config
-from heads.base import family_module, target_fingerprint
+from heads.base import check_target, family_module, target_record
 
 SPLITS = ("train", "holdout")
 
@@ -116,16 +117,8 @@ def plan_shards(lengths: list[int], rank: int, world: int, batch_tokens: int, sh
 def target_info(model: nn.Module, name: str, revision: str | None) -> dict:
     """What the manifest records about the target (what the reader checks against)."""
     tc = text_config(model.config)
-    return {
-        "name_or_path": name,
-        "fingerprint": target_fingerprint(tc, model.get_input_embeddings().weight),
-        "revision": revision,
-        "commit_hash": getattr(model.config, "_commit_hash", None),
-        "model_type": getattr(tc, "model_type", None),
-        "hidden_size": int(tc.hidden_size),
-        "num_hidden_layers": int(tc.num_hidden_layers),
-        "vocab_size": int(tc.vocab_size),
-    }
+    return {**target_record(tc, model.get_input_embeddings().weight, name), "revision": revision,
+            "commit_hash": getattr(model.config, "_commit_hash", None)}
 
 
 def make_header(target: dict, layer_ids: list[int], dtype: str, split: str, dataset: datasets.Dataset,
@@ -158,6 +151,7 @@ def _refuse_foreign(split_dir: Path, header: dict) -> None:
     others = ([split_dir / MANIFEST] if (split_dir / MANIFEST).is_file() else []) + part_files(split_dir)
     for path in others:
         meta = read_json(path)
+        check_target(meta.get("target"), header["target"], str(path), error=StoreMismatchError)
         for key in HEADER_KEYS:
             if meta.get(key) != header[key]:
                 raise StoreError(

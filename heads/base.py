@@ -118,6 +118,25 @@ class TargetIO:
     def num_layers(self) -> int:
         return int(self.config.num_hidden_layers)
 
+    def record(self) -> dict[str, Any]:
+        """This target's identity record (see target_record), without re-hashing the weights."""
+        return {"name_or_path": self.name, "fingerprint": self.fingerprint,
+                "model_type": getattr(self.config, "model_type", None), "hidden_size": self.hidden_size,
+                "num_hidden_layers": self.num_layers, "vocab_size": self.vocab_size}
+
+
+def target_record(config: Any, embed_weight: torch.Tensor, name: str) -> dict[str, Any]:
+    """The ONE target identity (TargetInfo) that head folders and store manifests record and check_target
+    compares: name, fingerprint of the weights, model type, hidden size, layers, vocab."""
+    return {
+        "name_or_path": name,
+        "fingerprint": target_fingerprint(config, embed_weight),
+        "model_type": getattr(config, "model_type", None),
+        "hidden_size": int(config.hidden_size),
+        "num_hidden_layers": int(config.num_hidden_layers),
+        "vocab_size": int(config.vocab_size),
+    }
+
 
 def target_fingerprint(config: Any, embed_weight: torch.Tensor) -> str:
     """A short id of a target: architecture fields plus a checksum of the first embedding rows.
@@ -262,14 +281,7 @@ def save_head(path: str | Path, head: nn.Module, cfg: HeadConfig, target: Target
         "format_version": FORMAT_VERSION,
         "family": cfg.family,
         "head_config": dataclasses.asdict(cfg),
-        "target": {
-            "name_or_path": target.name,
-            "fingerprint": target.fingerprint,
-            "model_type": getattr(target.config, "model_type", None),
-            "hidden_size": target.hidden_size,
-            "vocab_size": target.vocab_size,
-            "num_hidden_layers": target.num_layers,
-        },
+        "target": target.record(),
         "layer_ids": layer_ids,
         "dtype": dtype,
         "extra": extra or {},
@@ -316,20 +328,23 @@ def read_head_config(path: str | Path) -> tuple[HeadConfig, dict]:
         raise HeadError(f"{cfg_path}: key 'head_config': {e}") from None
 
 
-def check_target(meta: dict, target: TargetIO, where: str, strict_fingerprint: bool = True) -> None:
-    """Refuse a head (or store) made for another target, naming the first mismatch."""
-    t = meta["target"]
-    for key, have in (
-        ("hidden_size", target.hidden_size),
-        ("vocab_size", target.vocab_size),
-        ("num_hidden_layers", target.num_layers),
-    ):
-        if t.get(key) is not None and int(t[key]) != int(have):
-            raise HeadMismatchError(f"{where}: {key} is {t[key]} but the target has {have}")
-    if strict_fingerprint and t.get("fingerprint") and target.fingerprint and t["fingerprint"] != target.fingerprint:
-        raise HeadMismatchError(
+def check_target(recorded: dict, target: TargetIO | dict, where: str, strict_fingerprint: bool = True,
+                 error: type[HeadMismatchError] | None = None) -> None:
+    """The one target check (extraction, training offline and on resume, eval, export): refuse what
+    `recorded` (a head folder's or store manifest's `target`) says against `target` (a TargetIO or a
+    record), naming the first mismatch and both sides. A missing field (a record read from the config
+    alone has no fingerprint) is not compared."""
+    err = error or HeadMismatchError
+    if not isinstance(recorded, dict):
+        raise err(f"{where}: no target record")
+    t, have = recorded, target if isinstance(target, dict) else target.record()
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if t.get(key) is not None and have.get(key) is not None and int(t[key]) != int(have[key]):
+            raise err(f"{where}: {key} is {t[key]} but the target has {have[key]}")
+    if strict_fingerprint and t.get("fingerprint") and have.get("fingerprint") and t["fingerprint"] != have["fingerprint"]:
+        raise err(
             f"{where}: made for target '{t.get('name_or_path')}' (fingerprint {t['fingerprint']}), "
-            f"but the target is '{target.name}' (fingerprint {target.fingerprint})"
+            f"but the target is '{have.get('name_or_path')}' (fingerprint {have['fingerprint']})"
         )
 
 
@@ -337,7 +352,7 @@ def load_head(path: str | Path, target: TargetIO, strict_fingerprint: bool = Tru
     """Rebuild a head from its folder for `target`; refuses a mismatch (hidden, vocab, layers, ids)."""
     folder = Path(path)
     cfg, meta = read_head_config(folder)
-    check_target(meta, target, str(folder), strict_fingerprint)
+    check_target(meta["target"], target, str(folder), strict_fingerprint)
     mod = family_module(cfg.family)
     want_layers = list(mod.feature_layers(cfg, target.config))
     if list(meta.get("layer_ids", [])) != want_layers:

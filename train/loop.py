@@ -80,7 +80,15 @@ from torch import nn
 
 from data.cli import UserError, cli_main, write_atomic
 from data.config import RunConfig, check_layer_ids, parse_args, save_config, to_dict
-from heads.base import HeadMismatchError, TargetIO, check_finite, family_module, save_head, sha256_file
+from heads.base import (
+    HeadMismatchError,
+    TargetIO,
+    check_finite,
+    check_target,
+    family_module,
+    save_head,
+    sha256_file,
+)
 from train.placement import load_frozen_target
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -534,13 +542,15 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
         ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
         frozen = load_frozen_target(cfg, accelerator, online)
         model, tok, target = frozen.model, frozen.tokenizer, frozen.io
+        if "target" in progress:  # the same weights as the run that wrote the checkpoint
+            check_target(progress["target"], target, str(ckpt))
         with accelerator.main_process_first():
             train_ds, hold_ds = build_datasets(cfg, tok)
         layer_ids = list(mod.feature_layers(cfg.head, target.config))
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        train_fs = open_featureset(cfg, train_ds, model, layer_ids, "train", pad_id, fingerprint=target.fingerprint)
+        train_fs = open_featureset(cfg, train_ds, model, layer_ids, "train", pad_id, target=target)
         hold_fs = open_featureset(cfg, hold_ds, model, layer_ids, "holdout", pad_id,
-                                  fingerprint=target.fingerprint) if len(hold_ds) else None
+                                  target=target) if len(hold_ds) else None
         plan = make_plan(cfg, train_fs.lengths, world)
         try:
             init = mod.prepare(cfg.head, train_ds, target) if hasattr(mod, "prepare") else {}
@@ -650,7 +660,7 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
                 write_atomic(path / "progress.json", json.dumps(
                     {"format": CKPT_FORMAT if own_state else "accelerate", "step": step,
                      "global_batch": plan.global_batch, "world_size": world, "config": to_dict(cfg),
-                     "files": files}))
+                     "target": target.record(), "files": files}))
                 for old in sorted((out / "checkpoints").glob("step-*"))[:-KEEP_CHECKPOINTS]:
                     shutil.rmtree(old, ignore_errors=True)
             accelerator.wait_for_everyone()
