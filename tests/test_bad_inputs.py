@@ -157,6 +157,15 @@ def case_store_of_other_weights(tmp: Path, run: Path, store: dict) -> Case:
                 (str(tmp / "r1" / "features" / "train"), "fingerprint"), [tmp / "r1" / "features"])
 
 
+def case_resume_with_other_weights(tmp: Path, run: Path, store: dict) -> Case:
+    """Row 1, online: a run trained on folder A cannot resume after A holds other weights."""
+    target = _target_folder(tmp / "A", seed=1)
+    argv = ["--config", TINY, "--out", str(tmp / "r"), f"--target.name_or_path={target}", *RUN_FLAGS]
+    assert call(train_main, [*argv, "--train.max_steps=2"]) == 0
+    _target_folder(target, seed=2)
+    return Case(train_main, [*argv, "--resume", "auto"], ("step-00000002", "fingerprint"), [tmp / "r"])
+
+
 def case_pickle_in_checkpoint(tmp: Path, run: Path, store: dict) -> Case:
     """Row 2: a pickle file in the newest checkpoint is refused (the payload test below checks it never runs)."""
     torch.save({"a": 1}, run / "checkpoints" / "step-00000004" / "custom_checkpoint_0.pkl")
@@ -311,6 +320,7 @@ def case_publish_stage_holds_user_file(tmp: Path, run: Path, store: dict) -> Cas
 
 CASES: dict[str, Callable[..., Case]] = {
     "1-store-of-other-weights": case_store_of_other_weights,
+    "1-resume-with-other-weights": case_resume_with_other_weights,
     "2-pickle-in-checkpoint": case_pickle_in_checkpoint,
     "3-manifest-path-outside-store": case_manifest_path_outside,
     "4-store-split-missing": case_store_split_missing,

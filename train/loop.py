@@ -537,13 +537,14 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
         set_seed(cfg.seed)
         if main_proc:
             out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, out)  # after the resume checks: config.yaml says what runs
         online = cfg.features.mode == "online"
         ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
         frozen = load_frozen_target(cfg, accelerator, online)
         model, tok, target = frozen.model, frozen.tokenizer, frozen.io
         if "target" in progress:  # the same weights as the run that wrote the checkpoint
             check_target(progress["target"], target, str(ckpt))
+        if main_proc:
+            save_config(cfg, out)  # after the resume checks: config.yaml says what runs
         with accelerator.main_process_first():
             train_ds, hold_ds = build_datasets(cfg, tok)
         layer_ids = list(mod.feature_layers(cfg.head, target.config))
