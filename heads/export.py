@@ -40,6 +40,7 @@ from heads.base import (
     HeadError,
     HeadMismatchError,
     TargetIO,
+    check_finite,
     family_module,
     load_head,
     read_head_config,
@@ -289,6 +290,7 @@ def read_folder(folder: str | Path, fmt: str) -> tuple[dict, dict[str, torch.Ten
         state = load_file(str(w_path))
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise ExportError(f"{w_path}: unreadable or truncated ({e})") from None
+    check_finite(state, str(w_path))
     return config, state
 
 
