@@ -5,8 +5,11 @@ accepts the same flags:
 
     python train/eagle.py --config configs/tiny-eagle.yaml --optim.lr=3e-4 --head.ttt_length=3 --out runs/x
 
-An unknown key or a value of the wrong type raises `ConfigError` naming the key and the file (or the
-command-line flag) it came from; entry scripts turn that into one line on stderr and exit code 2.
+An unknown key, a value of the wrong type, a value out of range (ENUMS, RANGES: `optim.lr` > 0,
+`optim.warmup_steps` >= 0, 0 <= `optim.min_lr_ratio` <= 1, ...) or an empty file raises `ConfigError` naming
+the key and the file (or the command-line flag) it came from, when the config is loaded and before any
+model loads; entry scripts turn that into one line on stderr and exit code 2 (data.cli.cli_main).
+`check_layer_ids` checks the head's layer ids against the target's config (read without its weights).
 The resolved config is written as `config.yaml` into the run's output folder (`save_config`).
 
 The `head` section is family specific: its `family` key selects the dataclass from the head registry

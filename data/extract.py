@@ -5,7 +5,7 @@
     accelerate launch --num_processes 4 -m data.extract --config C                # one shard set per rank
     python -m data.extract --config C --shard-index I --num-shards N              # job I of an array of N
     python -m data.extract merge STORE      # write manifest.json from the part files of all jobs
-    python -m data.extract verify STORE     # sizes, checksums and coverage; names each bad shard
+    python -m data.extract verify STORE     # every split store.json names; sizes, checksums, coverage; names each bad shard
 
 The layers captured are the head's (`feature_layers(cfg.head, target_config)` of its family); the final
 post-norm hidden state is always stored, logits never (trainers recompute them with the target's lm_head).
