@@ -508,6 +508,7 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
     from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
 
     from data.featureset import open_featureset
+    from data.target import load_config_only, text_config
     from data.tokenize import build_datasets
 
     mod = family_module(cfg.head.family)
@@ -519,8 +520,6 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
     if fixed:
         raise TrainError(f"{ckpt}: a resumed run cannot change {', '.join(fixed)} (saved "
                          f"{', '.join(f'{k}={changes[k][0]!r}' for k in fixed)}); start a new --out instead")
-    from data.target import load_config_only, text_config
-
     check_layer_ids(cfg, text_config(load_config_only(cfg.target)))  # before the weights load
     # CPU process groups need gloo (DeepSpeed would otherwise ask for a GPU backend); a single process
     # must get no backend at all, or accelerate expects a process group that nobody started.
