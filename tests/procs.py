@@ -8,8 +8,8 @@
 Why a group: `accelerate launch` (and shell scripts) start children; killing only the direct child on a
 timeout leaves them running, and a child that inherited the stdout pipe keeps `communicate()` waiting
 forever. Every process here starts in a new session (start_new_session=True) and a timeout kills the whole
-group with SIGKILL, then stops reading the pipes after a short grace period even if something escaped the
-group. `finish` raises TimeoutError (naming the command and the output tail) after cleaning up.
+group with SIGKILL, and every descendant too (torch's elastic agent starts each worker in a session of
+its own), then stops reading the pipes after a short grace period even if something escaped. `finish` raises TimeoutError (naming the command and the output tail) after cleaning up.
 `free_port()` gives a free TCP port for a rendezvous, so concurrent test runs do not collide.
 """
 
@@ -36,12 +36,35 @@ def start(cmd: Sequence[str], *, merge_stderr: bool = True, capture: bool = True
     return subprocess.Popen(list(cmd), start_new_session=True, text=True, **kwargs)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of pid, from /proc (children that started sessions of their own included)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL every process of proc's group (the group id is proc's pid: start() made a new session)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL proc's process group (its pid: start() made a new session) and every descendant: torch's
+    elastic launcher starts its workers in sessions of their own, out of reach of the group kill."""
+    descendants = _descendants(proc.pid)
+    for kill, target in [(os.killpg, proc.pid)] + [(os.kill, d) for d in descendants]:
+        try:
+            kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _drain(proc: subprocess.Popen) -> tuple[str, str]:

@@ -50,7 +50,7 @@ def _launch(accel_config: str, out: Path, env: dict[str, str], args: list[str] =
             entry: str = "eagle.py") -> subprocess.Popen:
     """2 processes of train/<entry> under `accelerate launch` with one of our launcher configs."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / accel_config),
-           "--num_processes", "2", "--main_process_port", str(free_port()),
+           "--num_processes", "2", "--main_process_port", "0",  # 0: torch binds a free port itself
            str(REPO / "train" / entry), *args, "--out", str(out)]
     return start(cmd, cwd=REPO, env=env)
 

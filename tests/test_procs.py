@@ -18,6 +18,10 @@ from procs import finish, free_port, run, start
 GRANDCHILD = ("import subprocess, sys, time; "
               "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)']); "
               "print(g.pid, flush=True); time.sleep(3600)")
+# torch's elastic agent pattern: the worker starts a session of its own, so a group kill misses it.
+OWN_SESSION = ("import subprocess, sys, time; "
+               "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)'], start_new_session=True); "
+               "print(g.pid, flush=True); time.sleep(3600)")
 ORPHAN = ("import os, subprocess, sys; "
           "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)']); "
           "print(g.pid, flush=True); os._exit(0)")
@@ -45,7 +49,8 @@ def test_child_that_sleeps_forever_is_killed_on_timeout() -> None:
     assert proc.returncode is not None and time.monotonic() - t0 < 15
 
 
-@pytest.mark.parametrize("script", [GRANDCHILD, ORPHAN], ids=["parent-sleeps", "parent-exits"])
+@pytest.mark.parametrize("script", [GRANDCHILD, ORPHAN, OWN_SESSION],
+                         ids=["parent-sleeps", "parent-exits", "grandchild-own-session"])
 def test_grandchild_holding_the_pipe_is_killed_with_the_group(script: str) -> None:
     t0 = time.monotonic()
     proc = start([sys.executable, "-c", script])
