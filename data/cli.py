@@ -9,8 +9,9 @@
 missing file, a full disk, a number out of range) becomes ONE line `error: <message>` on stderr and exit
 code 2. Anything else is a bug and keeps its traceback. A user error is an instance of `UserError` (the
 project's own error classes in data/, train/, eval/ and scripts/ derive from it), of heads.base.HeadError
-(heads/ sits below data/ and cannot derive from this module), or an OSError a user causes (missing file,
-permission, full disk, read-only file system). Messages spanning lines are joined into one.
+(heads/ sits below data/ and cannot derive from this module), an OSError a user causes (missing file,
+permission, full disk, read-only file system), or running out of (GPU) memory, which names the settings
+that size the batches. Messages spanning lines are joined into one.
 
 `write_atomic(path, text_or_bytes)` writes under a temp name in the same folder, fsyncs and renames, so a
 crash leaves either the old file or the new one, never half of one.
@@ -49,6 +50,8 @@ def is_user_error(e: BaseException) -> bool:
         return True
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
         return True
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch's, without importing torch
+        return True
     return isinstance(e, OSError) and e.errno in _USER_ERRNOS
 
 
@@ -58,6 +61,10 @@ def one_line(e: BaseException) -> str:
         where = f"{e.filename}: " if e.filename else ""
         hint = " (free space on that disk and rerun)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         text = f"{where}{e.strerror}{hint}"
+    elif isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        first = (str(e).strip().splitlines() or [""])[0]
+        text = (f"out of memory ({first or type(e).__name__}); lower the batch (train.batch_size, "
+                f"features.batch_tokens, regenerate.batch_size) or the lengths (data.max_length)")
     else:
         text = str(e) or type(e).__name__
     return " ".join(text.split())

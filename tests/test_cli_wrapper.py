@@ -23,6 +23,8 @@ from heads.base import HeadMismatchError
      "error: /d/x.bin: No space left on device (free space on that disk and rerun)"),
     (FileNotFoundError(errno.ENOENT, "No such file or directory", "/d/c.yaml"),
      "error: /d/c.yaml: No such file or directory"),
+    (MemoryError(), "error: out of memory (MemoryError); lower the batch (train.batch_size, features.batch_tokens, "
+                    "regenerate.batch_size) or the lengths (data.max_length)"),
 ])
 def test_user_error_is_one_line_and_exit_2(exc: BaseException, line: str, capsys: pytest.CaptureFixture) -> None:
     @cli_main

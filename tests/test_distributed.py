@@ -330,6 +330,28 @@ def test_zero3_mtp_resume_matches_uninterrupted(tmp_path: Path) -> None:
     assert _placement(split)["target_placement"] == "zero3"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_resume_matches_uninterrupted(tmp_path: Path) -> None:
+    """2-process DDP: 4 steps straight vs 2 steps, then --resume auto, log the same losses; the checkpoint
+    holds only JSON and safetensors (every rank's RNG state included), so no --trust-checkpoint."""
+    args = [*RUN_ARGS, "--train.max_steps=4", "--optim.warmup_steps=5", "--train.checkpoint_every=2"]
+    env = _env(ACCELERATE_USE_CPU="1")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _finish(_launch("ddp.yaml", straight, env, args), "uninterrupted DDP run")
+    _finish(_launch("ddp.yaml", split, env, [*args, "--train.max_steps=2"]), "first half")
+    ckpt = split / "checkpoints" / "step-00000002"
+    assert sorted(p.suffix for p in ckpt.iterdir()) == [".json"] * 4 + [".safetensors"] * 3
+    _finish(_launch("ddp.yaml", split, env, [*args, "--resume", "auto"]), "resumed half")
+    a = {r["step"]: r["loss"] for r in map(json.loads, (straight / "metrics.jsonl").read_text().splitlines())
+         if r["event"] == "train"}
+    b = {r["step"]: r["loss"] for r in map(json.loads, (split / "metrics.jsonl").read_text().splitlines())
+         if r["event"] == "train"}
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert [b[s] for s in a] == pytest.approx([a[s] for s in a], rel=1e-5, abs=1e-6)
+    assert _digests(straight) == _digests(split)
+
+
 def test_device_map_target_refused_in_training() -> None:
     """A device map scatters the embedding and lm_head the heads call over GPUs; the loop refuses it and
     says to shard with ZeRO-3 / FSDP instead (the map is for extraction)."""
