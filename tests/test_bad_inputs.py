@@ -294,6 +294,24 @@ def _head_config_case(edit: Callable[[dict], None]) -> Callable[[Path, Path, dic
     return build
 
 
+def case_head_wrong_shape(tmp: Path, run: Path, store: dict) -> Case:
+    """A head (of before checksums: no `files` in config.json) holding a tensor of another shape: torch's
+    load_state_dict would raise a bare RuntimeError; load_head names the tensor and both shapes."""
+    from safetensors.torch import load_file, save_file
+
+    head = tmp / "head"
+    shutil.copytree(run / "head", head)
+    state = load_file(str(head / "model.safetensors"))
+    key = next(k for k, v in sorted(state.items()) if v.ndim == 2)
+    state[key] = torch.zeros(state[key].shape[0] + 1, state[key].shape[1])
+    save_file(state, str(head / "model.safetensors"))
+    meta = json.loads((head / "config.json").read_text())
+    meta.pop("files")
+    (head / "config.json").write_text(json.dumps(meta))
+    return Case(eval.run.main, ["--head", str(head), "--target", "tiny-random-llama", "--out", str(tmp / "ev")],
+                (str(head / "model.safetensors"), key, "has shape"), [head])
+
+
 def case_resume_nonexistent(tmp: Path, run: Path, store: dict) -> Case:
     return Case(train_main, ["--config", TINY, "--out", str(tmp / "o"), "--resume", str(tmp / "nonexistent")],
                 ("--resume", str(tmp / "nonexistent")), [tmp])
@@ -340,6 +358,7 @@ CASES: dict[str, Callable[..., Case]] = {
     "9-truncated-head": case_truncated_head,
     "9-head-config-no-family": _head_config_case(lambda m: m.pop("family")),
     "9-head-config-wrong-family": _head_config_case(lambda m: m.update(family="eagle9")),
+    "9-head-wrong-shape": case_head_wrong_shape,
     "9-resume-nonexistent": case_resume_nonexistent,
     "9-disk-full-at-checkpoint": case_disk_full_at_checkpoint,
     "10-negative-warmup": _train_flag("--optim.warmup_steps=-3", "command line", "'optim.warmup_steps'"),
