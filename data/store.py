@@ -133,11 +133,13 @@ def free_bytes(folder: Path) -> int:
 
 def human_bytes(n: float) -> str:
     """1234567 -> '1.23 MB' (never '0.00 GB' for a small but nonzero size)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    if abs(n) < 1000:
+        return f"{n:.0f} B"
+    for unit in ("kB", "MB", "GB"):
         n /= 1000
-    return f"{n:.2f} TB"
+        if abs(n) < 1000:
+            return f"{n:.2f} {unit}"
+    return f"{n / 1000:.2f} TB"
 
 
 def check_disk_space(folder: Path, needed: int) -> None:

@@ -120,22 +120,19 @@ class TargetIO:
 
     def record(self) -> dict[str, Any]:
         """This target's identity record (see target_record), without re-hashing the weights."""
-        return {"name_or_path": self.name, "fingerprint": self.fingerprint,
-                "model_type": getattr(self.config, "model_type", None), "hidden_size": self.hidden_size,
-                "num_hidden_layers": self.num_layers, "vocab_size": self.vocab_size}
+        return _identity(self.config, self.name, self.fingerprint)
+
+
+def _identity(config: Any, name: str, fingerprint: str) -> dict[str, Any]:
+    return {"name_or_path": name, "fingerprint": fingerprint, "model_type": getattr(config, "model_type", None),
+            "hidden_size": int(config.hidden_size), "num_hidden_layers": int(config.num_hidden_layers),
+            "vocab_size": int(config.vocab_size)}
 
 
 def target_record(config: Any, embed_weight: torch.Tensor, name: str) -> dict[str, Any]:
-    """The ONE target identity (TargetInfo) that head folders and store manifests record and check_target
-    compares: name, fingerprint of the weights, model type, hidden size, layers, vocab."""
-    return {
-        "name_or_path": name,
-        "fingerprint": target_fingerprint(config, embed_weight),
-        "model_type": getattr(config, "model_type", None),
-        "hidden_size": int(config.hidden_size),
-        "num_hidden_layers": int(config.num_hidden_layers),
-        "vocab_size": int(config.vocab_size),
-    }
+    """The ONE target identity (TargetInfo) that head folders, store manifests and checkpoints record and
+    check_target compares: name, fingerprint of the weights, model type, hidden size, layers, vocab."""
+    return _identity(config, name, target_fingerprint(config, embed_weight))
 
 
 def target_fingerprint(config: Any, embed_weight: torch.Tensor) -> str:
