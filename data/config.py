@@ -5,8 +5,11 @@ accepts the same flags:
 
     python train/eagle.py --config configs/tiny-eagle.yaml --optim.lr=3e-4 --head.ttt_length=3 --out runs/x
 
-An unknown key or a value of the wrong type raises `ConfigError` naming the key and the file (or the
-command-line flag) it came from; entry scripts turn that into one line on stderr and exit code 2.
+An unknown key, a value of the wrong type, a value out of range (ENUMS, RANGES: `optim.lr` > 0,
+`optim.warmup_steps` >= 0, 0 <= `optim.min_lr_ratio` <= 1, ...) or an empty file raises `ConfigError` naming
+the key and the file (or the command-line flag) it came from, when the config is loaded and before any
+model loads; entry scripts turn that into one line on stderr and exit code 2 (data.cli.cli_main).
+`check_layer_ids` checks the head's layer ids against the target's config (read without its weights).
 The resolved config is written as `config.yaml` into the run's output folder (`save_config`).
 
 The `head` section is family specific: its `family` key selects the dataclass from the head registry
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -26,12 +30,13 @@ from typing import Any, TypeVar
 
 import yaml
 
+from data.cli import UserError, one_line, write_atomic
 from heads.base import HeadConfig
 
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config key or value is wrong; the message names the key and where it came from."""
 
 
@@ -118,13 +123,11 @@ class TrainConfig:
     # sequences per optimizer step over all processes; null = batch_size x processes x optim.grad_accum.
     # When set, grad_accum = global_batch_size / (batch_size x processes), so 1 and N processes train alike.
     global_batch_size: int | None = None
-    bucket_by_length: bool = True  # group similar lengths to cut padding
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     checkpoint_every: int = 500  # optimizer steps between checkpoints
     eval_every: int = 200  # optimizer steps between held-out evaluations
     log_every: int = 10
     eval_at_end: bool = False  # run eval.run on the trained head when training ends
-    num_workers: int = 0
 
 
 @dataclass
@@ -162,6 +165,89 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
     out: str = "runs/default"  # output folder; --out overrides
+
+
+# ----------------------------------------------------------------------------------------------- ranges
+# (section, key) -> allowed values; checked when a config is loaded, before anything heavy starts.
+ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("target", "dtype"): ("float32", "bfloat16", "float16"),
+    ("data", "format"): ("auto", "sharegpt", "messages", "mtbench", "qa", "prompts", "hf"),
+    ("features", "mode"): ("offline", "online"),
+    ("features", "dtype"): ("bfloat16", "float16", "float32"),
+    ("train", "mixed_precision"): ("no", "bf16", "fp16"),
+    ("logging", "wandb_mode"): ("offline", "online", "disabled"),
+    ("eval", "tree"): ("auto", "chain", "static", "dynamic"),
+}
+# (section, key) -> (lowest, highest, lowest excluded); None values (where allowed) are not checked.
+RANGES: dict[tuple[str, str], tuple[float, float, bool]] = {
+    ("optim", "lr"): (0.0, math.inf, True),
+    ("optim", "weight_decay"): (0.0, math.inf, False),
+    ("optim", "warmup_steps"): (0, math.inf, False),
+    ("optim", "min_lr_ratio"): (0.0, 1.0, False),
+    ("optim", "grad_clip"): (0.0, math.inf, False),
+    ("optim", "grad_accum"): (1, math.inf, False),
+    ("train", "epochs"): (1, math.inf, False),
+    ("train", "max_steps"): (1, math.inf, False),
+    ("train", "batch_size"): (1, math.inf, False),
+    ("train", "global_batch_size"): (1, math.inf, False),
+    ("train", "checkpoint_every"): (1, math.inf, False),
+    ("train", "eval_every"): (1, math.inf, False),
+    ("train", "log_every"): (1, math.inf, False),
+    ("data", "max_samples"): (1, math.inf, False),
+    ("data", "max_length"): (2, math.inf, False),
+    ("data", "holdout_fraction"): (0.0, 1.0, False),
+    ("features", "shard_tokens"): (1, math.inf, False),
+    ("features", "batch_tokens"): (1, math.inf, False),
+    ("regenerate", "num_prompts"): (1, math.inf, False),
+    ("regenerate", "batch_size"): (1, math.inf, False),
+    ("regenerate", "max_new_tokens"): (1, math.inf, False),
+    ("regenerate", "temperature"): (0.0, math.inf, False),
+    ("regenerate", "top_p"): (0.0, 1.0, True),
+    ("eval", "max_questions"): (1, math.inf, False),
+    ("eval", "max_new_tokens"): (1, math.inf, False),
+    ("eval", "num_draft_tokens"): (1, math.inf, False),
+}
+
+
+def _check_value(value: Any, key: str, source: str, lo: float, hi: float, open_lo: bool) -> None:
+    if value is None or isinstance(value, str):
+        return
+    bad = not math.isfinite(value) or value < lo or value > hi or (open_lo and value == lo)
+    if bad:
+        low = f"> {lo:g}" if open_lo else f">= {lo:g}"
+        want = low if hi == math.inf else f"in [{lo:g}, {hi:g}]" if not open_lo else f"in ({lo:g}, {hi:g}]"
+        raise ConfigError(f"{source}: key '{key}': must be {want}, got {value!r}")
+
+
+def validate(cfg: Any, source: str) -> None:
+    """Refuse values out of range or misspelled enums (a RunConfig; other classes are not checked)."""
+    if not isinstance(cfg, RunConfig):
+        return
+    for (section, key), allowed in ENUMS.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in allowed:
+            raise ConfigError(f"{source}: key '{section}.{key}': '{value}' is not one of {', '.join(allowed)}")
+    for (section, key), (lo, hi, open_lo) in RANGES.items():
+        _check_value(getattr(getattr(cfg, section), key), f"{section}.{key}", source, lo, hi, open_lo)
+    for i, b in enumerate(cfg.optim.betas):
+        _check_value(b, f"optim.betas[{i}]", source, 0.0, 0.999999, False)
+    for t in cfg.eval.temperature:
+        _check_value(t, "eval.temperature", source, 0.0, math.inf, False)
+    for b in cfg.eval.batch_sizes:
+        _check_value(b, "eval.batch_sizes", source, 1, math.inf, False)
+    ids = getattr(cfg.head, "layer_ids", None)
+    if ids is not None and (not ids or list(ids) != sorted(set(ids)) or min(ids) < 0):
+        raise ConfigError(f"{source}: key 'head.layer_ids': {list(ids)} must be ascending, distinct and >= 0")
+
+
+def check_layer_ids(cfg: RunConfig, target_config: Any) -> list[int]:
+    """The head's feature layers for this target config (read without weights); ConfigError when out of range."""
+    from heads.base import family_module
+
+    try:
+        return list(family_module(cfg.head.family).feature_layers(cfg.head, target_config))
+    except ValueError as e:
+        raise ConfigError(f"config key 'head.layer_ids' for target '{cfg.target.name_or_path}': {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------- machinery
@@ -294,14 +380,20 @@ def load_config(
             text = Path(path).read_text()
         except OSError as e:
             raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
         try:
-            tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+            tree = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        if tree is None:
+            raise ConfigError(f"{path}: the config file is empty (give at least one section, e.g. `target:`)")
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     cfg = from_dict(cls, tree, source)
-    if overrides:
+    if not overrides:
+        validate(cfg, source)
+    else:
         # Overrides go onto the file's own tree (not the filled-in defaults), so switching
         # --head.family does not drag the old family's default keys along.
         merged = tree
@@ -315,7 +407,9 @@ def load_config(
             except yaml.YAMLError:
                 value = raw
             _set_dotted(merged, key, value)
-        cfg = from_dict(cls, merged, f"command line ({source} + overrides)")
+        where = f"command line ({source} + overrides)"
+        cfg = from_dict(cls, merged, where)
+        validate(cfg, where)
     return cfg
 
 
@@ -323,9 +417,7 @@ def save_config(cfg: Any, out_dir: str | Path) -> Path:
     """Write the resolved config to OUT/config.yaml (what the run really used)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "config.yaml"
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    return path
+    return write_atomic(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def parse_args(
@@ -344,7 +436,7 @@ def parse_args(
     try:
         cfg = load_config(args.config, rest)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.out:
         cfg.out = args.out

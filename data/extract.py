@@ -5,7 +5,7 @@
     accelerate launch --num_processes 4 -m data.extract --config C                # one shard set per rank
     python -m data.extract --config C --shard-index I --num-shards N              # job I of an array of N
     python -m data.extract merge STORE      # write manifest.json from the part files of all jobs
-    python -m data.extract verify STORE     # sizes, checksums and coverage; names each bad shard
+    python -m data.extract verify STORE     # every split store.json names; sizes, checksums, coverage; names each bad shard
 
 The layers captured are the head's (`feature_layers(cfg.head, target_config)` of its family); the final
 post-norm hidden state is always stored, logits never (trainers recompute them with the target's lm_head).
@@ -37,22 +37,27 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from data.config import RunConfig, parse_args
+from data.cli import cli_main
+from data.config import ConfigError, RunConfig, check_layer_ids, parse_args
 from data.features import forward_features
 from data.store import (
     FORMAT,
     FORMAT_VERSION,
     HEADER_KEYS,
     MANIFEST,
+    STORE_INDEX,
     ShardWriter,
     StoreError,
+    StoreMismatchError,
     bytes_per_token,
     check_disk_space,
     free_bytes,
     merge,
+    named_splits,
     part_files,
     part_name,
     read_json,
+    record_splits,
     sha256_file,
     shard_index,
     shard_name,
@@ -63,7 +68,7 @@ from data.store import (
     write_json_atomic,
 )
 from data.target import text_config
-from heads.base import family_module, target_fingerprint
+from heads.base import check_target, family_module, target_record
 
 SPLITS = ("train", "holdout")
 
@@ -112,16 +117,8 @@ def plan_shards(lengths: list[int], rank: int, world: int, batch_tokens: int, sh
 def target_info(model: nn.Module, name: str, revision: str | None) -> dict:
     """What the manifest records about the target (what the reader checks against)."""
     tc = text_config(model.config)
-    return {
-        "name_or_path": name,
-        "fingerprint": target_fingerprint(tc, model.get_input_embeddings().weight),
-        "revision": revision,
-        "commit_hash": getattr(model.config, "_commit_hash", None),
-        "model_type": getattr(tc, "model_type", None),
-        "hidden_size": int(tc.hidden_size),
-        "num_hidden_layers": int(tc.num_hidden_layers),
-        "vocab_size": int(tc.vocab_size),
-    }
+    return {**target_record(tc, model.get_input_embeddings().weight, name), "revision": revision,
+            "commit_hash": getattr(model.config, "_commit_hash", None)}
 
 
 def make_header(target: dict, layer_ids: list[int], dtype: str, split: str, dataset: datasets.Dataset,
@@ -154,6 +151,7 @@ def _refuse_foreign(split_dir: Path, header: dict) -> None:
     others = ([split_dir / MANIFEST] if (split_dir / MANIFEST).is_file() else []) + part_files(split_dir)
     for path in others:
         meta = read_json(path)
+        check_target(meta.get("target"), header["target"], str(path), error=StoreMismatchError)
         for key in HEADER_KEYS:
             if meta.get(key) != header[key]:
                 raise StoreError(
@@ -257,15 +255,15 @@ def _existing_bytes(split_dir: Path, header: dict) -> int:
 
 def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0, num_shards: int = 1) -> list[Path]:
     """Extract the configured splits (this process's share); returns the split folders."""
-    from data.target import load_target, resolve_device
+    from data.target import load_config_only, load_target, resolve_device
     from data.tokenize import build_datasets
 
     if not 0 <= shard_index_ < num_shards:
-        raise ValueError(f"--shard-index {shard_index_} must be in 0..{num_shards - 1}")
+        raise ConfigError(f"--shard-index {shard_index_} must be in 0..{num_shards - 1}")
     state = None
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under accelerate launch / torchrun
     if cfg.target.device_map and launched:
-        raise ValueError(f"target.device_map '{cfg.target.device_map}' spreads one target over all GPUs of its "
+        raise ConfigError(f"target.device_map '{cfg.target.device_map}' spreads one target over all GPUs of its "
                          f"process; run one process per node (accelerate launch --num_processes 1; "
                          f"extract.sbatch: PROCS_PER_NODE=1), not {os.environ['WORLD_SIZE']}")
     if launched:
@@ -279,6 +277,7 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
     nproc, pidx = (state.num_processes, state.process_index) if state else (1, 0)
     rank, world = shard_index_ * nproc + pidx, num_shards * nproc
     loud = pidx == 0
+    check_layer_ids(cfg, text_config(load_config_only(cfg.target)))  # before the weights load
     model, tok, _ = load_target(cfg.target)
     layer_ids = head_layer_ids(cfg, text_config(model.config))
     with state.main_process_first() if state else nullcontext():  # tokenized cache: written once, then read
@@ -301,6 +300,9 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
     check_disk_space(root, left)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     progress = state.is_local_main_process if state else True
+    if pidx == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        record_splits(root, splits)
     t0 = time.perf_counter()
     for s in splits:
         extract_split(model, data[s], root / s, headers[s], rank, pad_id, show_progress=progress)
@@ -329,6 +331,11 @@ def _subcommand(argv: list[str]) -> int:
     args = p.parse_args(argv)
     bad = 0
     try:
+        root = Path(args.store)
+        for s in named_splits(root):
+            if not (root / s).is_dir():
+                print(f"BAD {root / s}: missing (split named in {root / STORE_INDEX})")
+                bad += 1
         for folder in split_dirs(args.store):
             if args.command == "merge":
                 m = merge(folder)
@@ -347,6 +354,7 @@ def _subcommand(argv: list[str]) -> int:
     return 1 if bad else 0
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("verify", "merge"):
@@ -359,11 +367,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, args = parse_args("Extract target features into the offline store.", argv, extra)
     splits = SPLITS if args.split == "all" else (args.split,)
-    try:
-        run(cfg, splits, args.shard_index, args.num_shards)
-    except (StoreError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run(cfg, splits, args.shard_index, args.num_shards)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ all on the CPU (the loop moves them), features zero on padding positions in both
 cfg.features.mode picks the source:
   offline  reads STORE/<split_name> (cfg.features.store, relative to cfg.out unless absolute), written by
            `python -m data.extract`. Opening refuses, naming the mismatch, a store made for another target
-           (fingerprint, or name and shape when no model is given), other layer ids, or other tokenized
-           data (fingerprint, sample count or any sample's length).
+           (heads.base.check_target: fingerprint of the model or of the given TargetIO; name and shapes
+           too when no model is given), other layer ids, or other tokenized data (fingerprint, sample count
+           or any sample's length).
   online   runs the frozen target over the padded batch (data.features.forward_features, no logits) on
            the target's device and leaves `last`/`aux` there; nothing touches the disk.
 A test checks both modes give identical tensors on the tiny target (store in float32).
@@ -29,6 +30,7 @@ from torch import nn
 from data.config import RunConfig
 from data.features import forward_features
 from data.store import StoreMismatchError, StoreReader, store_root
+from heads.base import TargetIO, check_target
 
 
 class FeatureSet:
@@ -79,7 +81,7 @@ class FeatureSet:
 
 
 def _check_store(reader: StoreReader, cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.Module | None,
-                 layer_ids: list[int]) -> None:
+                 layer_ids: list[int], target: TargetIO | None = None) -> None:
     """Refuse a store that does not fit this run, naming the store folder and the mismatch."""
     from data.extract import target_info
     from data.target import load_config_only, text_config
@@ -89,19 +91,16 @@ def _check_store(reader: StoreReader, cfg: RunConfig, dataset: datasets.Dataset,
     have = m["target"]
     if target_model is not None:
         want = target_info(target_model, cfg.target.name_or_path, cfg.target.revision)
-        if have["fingerprint"] != want["fingerprint"]:
-            raise StoreMismatchError(
-                f"{where}: store made for target '{have['name_or_path']}' (fingerprint {have['fingerprint']}), "
-                f"but the target is '{want['name_or_path']}' (fingerprint {want['fingerprint']})")
+    elif target is not None:
+        want = target.record()  # the weights themselves: a folder refilled with other weights keeps its name
     else:
         tc = text_config(load_config_only(cfg.target))
         want = {"name_or_path": cfg.target.name_or_path, "hidden_size": int(tc.hidden_size),
                 "num_hidden_layers": int(tc.num_hidden_layers), "vocab_size": int(tc.vocab_size)}
-        for key, value in want.items():
-            if have.get(key) != value:
-                raise StoreMismatchError(f"{where}: store made for a target with {key} {have.get(key)!r}, "
-                                         f"but target.{'name_or_path' if key == 'name_or_path' else 'config'} "
-                                         f"gives {value!r}")
+    if target_model is None and have.get("name_or_path") != want["name_or_path"]:
+        raise StoreMismatchError(f"{where}: store made for a target with name_or_path {have.get('name_or_path')!r}, "
+                                 f"but target.name_or_path gives {want['name_or_path']!r}")
+    check_target(have, want, where, error=StoreMismatchError)
     if list(m["layer_ids"]) != list(layer_ids):
         raise StoreMismatchError(f"{where}: store has layer ids {m['layer_ids']} but the head needs {list(layer_ids)} "
                                  f"(re-extract for this head, or use features.mode=online)")
@@ -119,8 +118,11 @@ def _check_store(reader: StoreReader, cfg: RunConfig, dataset: datasets.Dataset,
 
 
 def open_featureset(cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.Module | None, layer_ids: list[int],
-                    split_name: str, pad_id: int = 0) -> FeatureSet:
-    """A FeatureSet over `dataset` in cfg.features.mode (see the module docstring for the checks)."""
+                    split_name: str, pad_id: int = 0, target: TargetIO | None = None) -> FeatureSet:
+    """A FeatureSet over `dataset` in cfg.features.mode (see the module docstring for the checks).
+
+    `target`: the loaded target's TargetIO when no model is given (offline training passes it), so a
+    store of other weights under the same name and shapes is refused by its fingerprint."""
     mode = cfg.features.mode
     if mode == "online":
         if target_model is None:
@@ -129,5 +131,5 @@ def open_featureset(cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.
     if mode != "offline":
         raise ValueError(f"features.mode '{mode}' is not one of offline, online")
     reader = StoreReader(store_root(cfg) / split_name, verify_checksums=cfg.features.verify_on_read)
-    _check_store(reader, cfg, dataset, target_model, layer_ids)
+    _check_store(reader, cfg, dataset, target_model, layer_ids, target)
     return FeatureSet(dataset, layer_ids, pad_id, reader=reader)

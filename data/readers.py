@@ -23,10 +23,13 @@ from __future__ import annotations
 import gzip
 import json
 import sys
-from collections.abc import Iterable, Iterator
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from data.cli import UserError, cli_main
 
 FORMATS = ("auto", "sharegpt", "messages", "mtbench", "qa", "prompts", "hf")
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -34,7 +37,7 @@ _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 _PROMPT_KEYS = ("prompt", "question", "instruction", "text")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data record or file is malformed; the message names the file and line."""
 
 
@@ -127,27 +130,36 @@ def _malformed(reason: str, skip_malformed: bool, stats: ReadStats) -> None:
         stats.errors.append(reason)
 
 
-def _open_text(path: Path) -> Iterable[str]:
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return path.open(encoding="utf-8")
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text file (.gz read through gzip); DataError naming the file and line
+    for bytes that are not UTF-8, and for a truncated or damaged .gz."""
+    lineno = 0
+    try:
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    yield lineno, raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start + 1} of the "
+                                    f"line)") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DataError(f"{path}: truncated or damaged gzip file after line {lineno} ({e})") from None
 
 
 def _iter_jsonl(path: Path, fmt: str, skip_malformed: bool, stats: ReadStats) -> Iterator[Record]:
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
             try:
-                try:
-                    obj = json.loads(line.rstrip("\r\n"))
-                except json.JSONDecodeError as e:
-                    # json counts lines and columns inside this one line; report the column only
-                    raise ValueError(f"invalid JSON: {e.msg} at column {e.pos + 1}") from None
-                yield parse_record(obj, fmt, f"{path.stem}-{lineno}")
-                stats.read += 1
-            except ValueError as e:
-                _malformed(f"{path}:{lineno}: {e}", skip_malformed, stats)
+                obj = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                # json counts lines and columns inside this one line; report the column only
+                raise ValueError(f"invalid JSON: {e.msg} at column {e.pos + 1}") from None
+            yield parse_record(obj, fmt, f"{path.stem}-{lineno}")
+            stats.read += 1
+        except ValueError as e:
+            _malformed(f"{path}:{lineno}: {e}", skip_malformed, stats)
 
 
 def iter_records(
@@ -204,16 +216,12 @@ def to_sharegpt(rec: Record) -> dict[str, Any]:
     return {"id": rec.id, "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in rec.messages]}
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print("usage: python -m data.readers FILE [FORMAT]", file=sys.stderr)
-        raise SystemExit(2)
-    try:
-        recs, stats = read_records(args[0], args[1] if len(args) > 1 else "auto")
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise DataError("usage: python -m data.readers FILE [FORMAT]")
+    recs, stats = read_records(args[0], args[1] if len(args) > 1 else "auto")
     turns = sum(len(r.messages) for r in recs)
     print(f"{args[0]}: {len(recs)} records, {turns} messages, {stats.skipped} skipped")
 

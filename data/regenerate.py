@@ -39,6 +39,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from data.cli import cli_main, write_atomic
 from data.config import RegenerateConfig, RunConfig, save_config, to_dict
 from data.readers import DataError, Record, read_records, to_sharegpt
 
@@ -215,7 +216,7 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
 
 def _check_settings(meta_path: Path, out_path: Path, settings: dict[str, Any], resuming: bool) -> None:
     if not resuming:
-        meta_path.write_text(json.dumps(settings, indent=2))
+        write_atomic(meta_path, json.dumps(settings, indent=2))
         return
     if not meta_path.is_file():
         raise DataError(f"{out_path} exists but {meta_path.name} does not, so it cannot be resumed safely; "
@@ -297,16 +298,13 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{s['skipped_malformed']} malformed, {s['skipped_without_user_turn']} without a user turn")
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     from data.config import parse_args
-    from data.target import TargetLoadError
 
     cfg, _ = parse_args("Answer prompts with the target (self-distillation) and write ShareGPT JSONL.", argv)
     try:
         summary = regenerate(cfg)
-    except (DataError, TargetLoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     except KeyboardInterrupt:
         print("\nregenerate: interrupted; finished conversations are saved, rerun the same command to resume",
               file=sys.stderr)

@@ -6,6 +6,7 @@ Written by `python -m data.extract` (see there), read by `data.featureset` durin
 Layout of a store (one folder per tokenized split):
 
     STORE/                              cfg.features.store, relative to cfg.out unless absolute
+      store.json                        the splits this store holds (verify fails on a missing one)
       train/
         manifest.json                   the whole split: written last, by merging the part files
         part-r0000of0002.json           one per extraction rank: its header, its finished shards
@@ -53,7 +54,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from heads.base import HeadMismatchError
+from data.cli import UserError, write_atomic
+from heads.base import HeadMismatchError, sha256_file  # noqa: F401  (sha256_file: re-exported)
 
 if TYPE_CHECKING:
     from data.config import RunConfig
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
 FORMAT = "draftheads-features"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+STORE_INDEX = "store.json"  # STORE/store.json: {"format", "splits": [...]}, the splits verify must find
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
@@ -73,7 +76,7 @@ HEADER_KEYS = (
 )
 
 
-class StoreError(ValueError):
+class StoreError(UserError, ValueError):
     """The store is missing, incomplete, truncated or corrupted; the message names the file."""
 
 
@@ -107,10 +110,8 @@ def part_name(rank: int, world: int) -> str:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON under a unique temp name, then rename (concurrent writers of the same content are safe)."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
+    """Write JSON under a unique temp name, fsync, then rename (concurrent writers of the same content are safe)."""
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 def read_json(path: Path) -> dict:
@@ -122,14 +123,6 @@ def read_json(path: Path) -> dict:
         raise StoreError(f"{path}: invalid JSON ({e})") from None
 
 
-def sha256_file(path: Path, chunk: int = 1 << 23) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def free_bytes(folder: Path) -> int:
     """Free space on the disk holding `folder` (or its nearest existing parent)."""
     p = folder.resolve()
@@ -138,12 +131,23 @@ def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(p).free
 
 
+def human_bytes(n: float) -> str:
+    """1234567 -> '1.23 MB' (never '0.00 GB' for a small but nonzero size)."""
+    if abs(n) < 1000:
+        return f"{n:.0f} B"
+    for unit in ("kB", "MB", "GB"):
+        n /= 1000
+        if abs(n) < 1000:
+            return f"{n:.2f} {unit}"
+    return f"{n / 1000:.2f} TB"
+
+
 def check_disk_space(folder: Path, needed: int) -> None:
     """Refuse (StoreError) when the disk holding `folder` has less than `needed` bytes free."""
     free = free_bytes(folder)
     if free < needed:
         raise StoreError(
-            f"{folder}: the store needs {needed / 1e9:.2f} GB but only {free / 1e9:.2f} GB are free on that disk "
+            f"{folder}: the store needs {human_bytes(needed)} but only {human_bytes(free)} are free on that disk "
             f"(free space, use features.dtype=bfloat16, fewer samples (data.max_samples), or features.mode=online)"
         )
 
@@ -264,6 +268,14 @@ def merge(split_dir: str | Path) -> dict:
     return manifest
 
 
+def shard_path(folder: Path, entry: dict, source: Path) -> Path:
+    """The file of a shard entry, which must be a plain file name inside `folder` (no path, no `..`)."""
+    name = entry.get("file") if isinstance(entry, dict) else None
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise StoreError(f"{source}: shard file {name!r} is not a plain file name inside {folder}")
+    return folder / name
+
+
 def read_manifest(split_dir: str | Path) -> dict:
     """The manifest of one split; a clear StoreError when the folder is not a finished store."""
     folder = Path(split_dir)
@@ -278,7 +290,32 @@ def read_manifest(split_dir: str | Path) -> dict:
         raise StoreError(f"{path}: not a draftheads feature store manifest")
     if int(manifest.get("format_version", -1)) > FORMAT_VERSION:
         raise StoreError(f"{path}: format_version {manifest['format_version']} is newer than this code ({FORMAT_VERSION})")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        raise StoreError(f"{path}: no shard list")
+    for s in shards:
+        shard_path(folder, s, path)
+        if not isinstance(s.get("sha256"), str) or not isinstance(s.get("bytes"), int):
+            raise StoreError(f"{path}: shard {s.get('file')!r} has no sha256 or byte size")
     return manifest
+
+
+def record_splits(root: Path, splits: Iterable[str]) -> None:
+    """Add `splits` to STORE/store.json, the list of splits this store must hold (verify checks each)."""
+    path = root / STORE_INDEX
+    have = set(read_json(path).get("splits", [])) if path.is_file() else set()
+    write_json_atomic(path, {"format": FORMAT, "splits": sorted(have | set(splits))})
+
+
+def named_splits(root: Path) -> list[str]:
+    """The splits STORE/store.json names (empty when there is no store.json: a split folder or an old store)."""
+    path = Path(root) / STORE_INDEX
+    if not path.is_file():
+        return []
+    splits = read_json(path).get("splits")
+    if not isinstance(splits, list) or not all(isinstance(s, str) and s and Path(s).name == s for s in splits):
+        raise StoreError(f"{path}: 'splits' must be a list of split folder names")
+    return splits
 
 
 def split_dirs(store: str | Path) -> list[Path]:
@@ -306,7 +343,7 @@ def verify(split_dir: str | Path, checksums: bool = True) -> list[str]:
     seen: list[torch.Tensor] = []
     tokens = 0
     for s in manifest["shards"]:
-        path = folder / s["file"]
+        path = shard_path(folder, s, folder / MANIFEST)
         if not path.is_file():
             problems.append(f"{path}: missing")
             continue
@@ -356,7 +393,7 @@ class StoreReader:
         self._start = torch.zeros(n, dtype=torch.int64)
         self._len = torch.zeros(n, dtype=torch.int64)
         for k, s in enumerate(m["shards"]):
-            path = self.folder / s["file"]
+            path = shard_path(self.folder, s, self.folder / MANIFEST)
             if not path.is_file():
                 raise StoreError(f"{path}: shard listed in {MANIFEST} is missing")
             if path.stat().st_size != s["bytes"]:
@@ -389,7 +426,7 @@ class StoreReader:
             from safetensors import safe_open
 
             entry = self.manifest["shards"][k]
-            path = self.folder / entry["file"]
+            path = shard_path(self.folder, entry, self.folder / MANIFEST)
             if self.verify_checksums and k not in self._verified:
                 if sha256_file(path) != entry["sha256"]:
                     raise StoreError(f"{path}: corrupted (sha256 differs from {MANIFEST}); "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from data.cli import UserError, cli_main
 from data.config import TargetConfig
 from heads.base import TargetIO, target_fingerprint
 
@@ -40,7 +40,7 @@ TINY_SEED = 1234
 TINY_NAMES = ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-gemma3")
 
 
-class TargetLoadError(RuntimeError):
+class TargetLoadError(UserError, RuntimeError):
     """The target cannot be loaded; the message says what is missing and how to get it."""
 
 
@@ -292,15 +292,12 @@ def load_config_only(cfg: TargetConfig) -> Any:
     return AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     from data.config import parse_args
 
     cfg, _ = parse_args("Load the target and print a summary.", argv)
-    try:
-        model, tok, io = load_target(cfg.target)
-    except TargetLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    model, tok, io = load_target(cfg.target)
     n = sum(p.numel() for p in model.parameters())
     print(f"{cfg.target.name_or_path}: {type(model).__name__}, {n / 1e6:.1f}M params, layers {io.num_layers}, "
           f"hidden {io.hidden_size}, vocab {io.vocab_size}, fingerprint {io.fingerprint}, "

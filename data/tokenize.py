@@ -30,6 +30,7 @@ import datasets
 import numpy as np
 import torch
 
+from data.cli import cli_main
 from data.config import RunConfig
 from data.readers import DataError, read_records
 
@@ -229,17 +230,14 @@ def summarize(train: datasets.Dataset, holdout: datasets.Dataset, batch_size: in
     }
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     from data.config import parse_args
-    from data.target import TargetLoadError, load_tokenizer
+    from data.target import load_tokenizer
 
     cfg, _ = parse_args("Tokenize the configured conversations and print a summary.", argv)
-    try:
-        tok = load_tokenizer(cfg.target)
-        train, hold = build_datasets(cfg, tok)
-    except (DataError, TargetLoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    tok = load_tokenizer(cfg.target)
+    train, hold = build_datasets(cfg, tok)
     print(json.dumps(summarize(train, hold, cfg.train.batch_size, cfg.seed), indent=2))
 
 

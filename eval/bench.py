@@ -15,10 +15,10 @@ of each, ...) so a small N still covers several MT-bench categories instead of N
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.cli import cli_main
 from data.readers import DataError, read_records
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -97,6 +97,7 @@ def load_questions(spec: str, max_questions: int | None = None) -> list[Question
     return _round_robin(out, max_questions)
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -104,18 +105,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("bench", nargs="+", help="bundled names (mt_bench, humaneval, gsm8k) or question files")
     parser.add_argument("--max-questions", type=int, default=None)
     args = parser.parse_args(argv)
-    try:
-        for spec in args.bench:
-            qs = load_questions(spec, args.max_questions)
-            cats = sorted({q.category for q in qs})
-            print(f"{bench_name(spec)}: {len(qs)} questions, {sum(len(q.turns) for q in qs)} turns, "
-                  f"categories: {', '.join(cats)}")
-            for q in qs:
-                more = f" (+{len(q.turns) - 1} turns)" if len(q.turns) > 1 else ""
-                print(f"  [{q.category}] {q.id}: {q.turns[0][:70]!r}{more}")
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    for spec in args.bench:
+        qs = load_questions(spec, args.max_questions)
+        cats = sorted({q.category for q in qs})
+        print(f"{bench_name(spec)}: {len(qs)} questions, {sum(len(q.turns) for q in qs)} turns, "
+              f"categories: {', '.join(cats)}")
+        for q in qs:
+            more = f" (+{len(q.turns) - 1} turns)" if len(q.turns) > 1 else ""
+            print(f"  [{q.category}] {q.id}: {q.turns[0][:70]!r}{more}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on servers and in tests
 import matplotlib.pyplot as plt  # noqa: E402  (must follow the backend choice)
 
+from data.cli import UserError, cli_main, write_atomic  # noqa: E402
+
 PLOTS = ("acceptance_per_position.png", "tau_by_category.png", "speedup_vs_k.png", "throughput_vs_batch.png")
 
 
@@ -205,24 +207,23 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "report.md"]
-    paths[0].write_text(json.dumps(report, indent=2, default=str))
-    paths[1].write_text(markdown(report))
+    write_atomic(paths[0], json.dumps(report, indent=2, default=str))
+    write_atomic(paths[1], markdown(report))
     for fn, name in zip((plot_acceptance, plot_tau_by_category, plot_speedup_vs_k, plot_throughput), PLOTS):
         paths.append(fn(report, out / name))
     return paths
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m eval.report REPORT.json", file=sys.stderr)
-        raise SystemExit(2)
+        raise UserError("usage: python -m eval.report REPORT.json")
     path = Path(args[0])
     try:
         report = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        print(f"error: {path}: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read the report ({e})") from None
     for p in write_report(report, path.parent):
         print(p)
 

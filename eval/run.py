@@ -43,9 +43,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from data.config import ConfigError, EvalConfig, RunConfig, TargetConfig, save_config, to_dict
-from data.readers import DataError, read_records
-from data.target import TargetLoadError, load_target
+from data.cli import UserError, cli_main
+from data.config import EvalConfig, RunConfig, TargetConfig, save_config, to_dict
+from data.readers import read_records
+from data.target import load_target
 from eval.batch import sweep
 from eval.bench import bench_name, load_questions
 from eval.costs import calibrate, choose_k, ideal_speedup, measure_verify_cost
@@ -53,13 +54,13 @@ from eval.decoder import GenerationStats, plain_generate, speculative_generate
 from eval.drafters import NgramDrafter
 from eval.report import write_report
 from eval.speedup import speedup_model
-from heads.base import Drafter, HeadMismatchError, family_module, load_head, read_head_config
+from heads.base import Drafter, family_module, load_head, read_head_config
 
 BASELINES = ("ngram", "hf_prompt_lookup")
 TAU_DEFINITION = "tokens per target forward pass, counting the corrected or bonus token (prefill excluded)"
 
 
-class EvalError(ValueError):
+class EvalError(UserError, ValueError):
     """Bad eval input (flags, head folder, benchmark); the CLI prints it on one line and exits 2."""
 
 
@@ -426,6 +427,7 @@ def _flags(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated subset of {','.join(BASELINES)} (empty for none)")
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     from data.config import parse_args
 
@@ -454,17 +456,13 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads if args.threads is not None else (0 if torch.cuda.is_available() else 1)
     if threads > 0:
         torch.set_num_threads(threads)
-    try:
-        from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()  # generate()'s notes on generation flags are noise here
-        save_config(cfg, out)
-        report = evaluate(args.head, ev, out, target_cfg, drafter=drafter,
-                          baselines=[b.strip() for b in args.baselines.split(",") if b.strip()],
-                          sweep_new_tokens=args.sweep_new_tokens, seed=cfg.seed)
-    except (HeadMismatchError, EvalError, DataError, TargetLoadError, ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    hf_logging.set_verbosity_error()  # generate()'s notes on generation flags are noise here
+    save_config(cfg, out)
+    report = evaluate(args.head, ev, out, target_cfg, drafter=drafter,
+                      baselines=[b.strip() for b in args.baselines.split(",") if b.strip()],
+                      sweep_new_tokens=args.sweep_new_tokens, seed=cfg.seed)
     from eval.report import markdown
 
     print(markdown(report))

@@ -19,6 +19,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from data.cli import cli_main
 from eval.costs import DraftCost, VerifyCost, expected_tokens, predicted_speedup, predicted_tree_speedup
 
 
@@ -90,6 +91,7 @@ def speedup_model(
     return out
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Print SCIENCE.md's flat-verify-cost speedup formula for k = 1..K.")
     parser.add_argument("--alpha", type=float, required=True, help="acceptance rate per draft position")

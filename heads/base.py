@@ -9,7 +9,8 @@ A family is a module in `heads/` (`eagle.py`, `medusa.py`, `mtp.py`) that provid
     drafter(head, target: TargetIO, **kw) -> Drafter  the decoder adapter (see `Drafter` below)
 
 A head folder is what `save_head` writes and `load_head` reads (`config.json` + `model.safetensors`);
-`load_head` refuses a folder whose target (hidden size, vocab, layers, fingerprint) does not match.
+`load_head` refuses a folder whose target (hidden size, vocab, layers, fingerprint) does not match, whose
+weights differ from the sha256 config.json records, or hold NaN/inf (HeadError, one line at the CLI).
 
 Feature convention (shared with data.features, the store and the decoder): `aux` is the concatenation, in
 ascending order, of transformers' `hidden_states[i]` for the requested indices i (index 0 is the embedding
@@ -23,6 +24,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,7 +44,13 @@ FAMILIES: dict[str, str] = {
 }
 
 
-class HeadMismatchError(ValueError):
+class HeadError(ValueError):
+    """A head folder is unusable (unreadable, truncated, tampered, non-finite); the message names the file.
+
+    data.cli.cli_main reports it (and every subclass) as one line with exit code 2."""
+
+
+class HeadMismatchError(HeadError):
     """A head folder does not fit the target (or the store); the message names the mismatch."""
 
 
@@ -109,6 +117,22 @@ class TargetIO:
     @property
     def num_layers(self) -> int:
         return int(self.config.num_hidden_layers)
+
+    def record(self) -> dict[str, Any]:
+        """This target's identity record (see target_record), without re-hashing the weights."""
+        return _identity(self.config, self.name, self.fingerprint)
+
+
+def _identity(config: Any, name: str, fingerprint: str) -> dict[str, Any]:
+    return {"name_or_path": name, "fingerprint": fingerprint, "model_type": getattr(config, "model_type", None),
+            "hidden_size": int(config.hidden_size), "num_hidden_layers": int(config.num_hidden_layers),
+            "vocab_size": int(config.vocab_size)}
+
+
+def target_record(config: Any, embed_weight: torch.Tensor, name: str) -> dict[str, Any]:
+    """The ONE target identity (TargetInfo) that head folders, store manifests and checkpoints record and
+    check_target compares: name, fingerprint of the weights, model type, hidden size, layers, vocab."""
+    return _identity(config, name, target_fingerprint(config, embed_weight))
 
 
 def target_fingerprint(config: Any, embed_weight: torch.Tensor) -> str:
@@ -213,13 +237,40 @@ class HeadMeta:
     extra: dict = field(default_factory=dict)  # training data, steps, etc.
 
 
+def sha256_file(path: str | Path, chunk: int = 1 << 23) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_finite(state: dict[str, torch.Tensor], where: str) -> None:
+    """HeadError naming the first float tensor holding NaN or inf (a diverged run or a damaged file)."""
+    for k, v in state.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            n = int((~torch.isfinite(v)).sum())
+            raise HeadError(f"{where}: weight '{k}' holds {n} non-finite values (NaN/inf): a diverged run or a "
+                            f"damaged file; nothing is trusted from it")
+
+
+def _fsync_replace(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    tmp.replace(final)
+
+
 def save_head(path: str | Path, head: nn.Module, cfg: HeadConfig, target: TargetIO, extra: dict | None = None) -> Path:
-    """Write `path/config.json` and `path/model.safetensors` (written to temp names, then renamed)."""
+    """Write `path/config.json` and `path/model.safetensors` (temp names, fsync, rename; weights first).
+
+    config.json records the sha256 of model.safetensors (`files`), checked by load_head; non-finite
+    weights are refused (HeadError) before anything is written."""
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     mod = family_module(cfg.family)
     layer_ids = list(mod.feature_layers(cfg, target.config))
     state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    check_finite(state, str(out))
+    out.mkdir(parents=True, exist_ok=True)
     floats = [v for v in state.values() if v.is_floating_point()]  # skip index buffers such as d2t
     dtype = str(floats[0].dtype).replace("torch.", "") if floats else "float32"
     meta = {
@@ -227,23 +278,17 @@ def save_head(path: str | Path, head: nn.Module, cfg: HeadConfig, target: Target
         "format_version": FORMAT_VERSION,
         "family": cfg.family,
         "head_config": dataclasses.asdict(cfg),
-        "target": {
-            "name_or_path": target.name,
-            "fingerprint": target.fingerprint,
-            "model_type": getattr(target.config, "model_type", None),
-            "hidden_size": target.hidden_size,
-            "vocab_size": target.vocab_size,
-            "num_hidden_layers": target.num_layers,
-        },
+        "target": target.record(),
         "layer_ids": layer_ids,
         "dtype": dtype,
         "extra": extra or {},
     }
     tmp = out / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt", "family": cfg.family})
-    tmp.replace(out / "model.safetensors")
+    meta["files"] = {"model.safetensors": sha256_file(tmp)}
+    _fsync_replace(tmp, out / "model.safetensors")
     (out / "config.json.tmp").write_text(json.dumps(meta, indent=2))
-    (out / "config.json.tmp").replace(out / "config.json")
+    _fsync_replace(out / "config.json.tmp", out / "config.json")
     return out
 
 
@@ -252,38 +297,51 @@ def read_head_config(path: str | Path) -> tuple[HeadConfig, dict]:
     folder = Path(path)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{folder}: not a head folder (no config.json)")
+        raise HeadError(f"{folder}: not a head folder (no config.json)")
     try:
         meta = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
-    if meta.get("format") != "draftheads":
-        raise ValueError(f"{cfg_path}: not a draftheads head folder (use scripts/export.py --import for other layouts)")
-    family = meta["family"]
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HeadError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != "draftheads":
+        raise HeadError(f"{cfg_path}: not a draftheads head folder (use scripts/export.py --import for other layouts)")
+    family = meta.get("family")
+    if family not in FAMILIES:
+        raise HeadError(f"{cfg_path}: key 'family' is {family!r}, not one of {', '.join(sorted(FAMILIES))}")
+    raw = meta.get("head_config")
+    if not isinstance(raw, dict) or raw.get("family", family) != family:
+        raise HeadError(f"{cfg_path}: key 'head_config' is missing or names another family than 'family' ({family})")
+    for key in ("target", "layer_ids"):
+        if not isinstance(meta.get(key), dict if key == "target" else list):
+            raise HeadError(f"{cfg_path}: key '{key}' is missing or malformed")
     cls = family_module(family).CONFIGS[family]
     known = {f.name for f in dataclasses.fields(cls)}
-    raw = meta["head_config"]
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ValueError(f"{cfg_path}: unknown head_config key '{unknown[0]}' for family {family}")
+        raise HeadError(f"{cfg_path}: unknown head_config key '{unknown[0]}' for family {family}")
     kwargs = {k: tuple(v) if isinstance(getattr(cls, k, None), tuple) else v for k, v in raw.items()}
-    return cls(**kwargs), meta
+    try:
+        return cls(**kwargs), meta
+    except (TypeError, ValueError) as e:
+        raise HeadError(f"{cfg_path}: key 'head_config': {e}") from None
 
 
-def check_target(meta: dict, target: TargetIO, where: str, strict_fingerprint: bool = True) -> None:
-    """Refuse a head (or store) made for another target, naming the first mismatch."""
-    t = meta["target"]
-    for key, have in (
-        ("hidden_size", target.hidden_size),
-        ("vocab_size", target.vocab_size),
-        ("num_hidden_layers", target.num_layers),
-    ):
-        if t.get(key) is not None and int(t[key]) != int(have):
-            raise HeadMismatchError(f"{where}: {key} is {t[key]} but the target has {have}")
-    if strict_fingerprint and t.get("fingerprint") and target.fingerprint and t["fingerprint"] != target.fingerprint:
-        raise HeadMismatchError(
+def check_target(recorded: dict, target: TargetIO | dict, where: str, strict_fingerprint: bool = True,
+                 error: type[HeadMismatchError] | None = None) -> None:
+    """The one target check (extraction, training offline and on resume, eval, export): refuse what
+    `recorded` (a head folder's or store manifest's `target`) says against `target` (a TargetIO or a
+    record), naming the first mismatch and both sides. A missing field (a record read from the config
+    alone has no fingerprint) is not compared."""
+    err = error or HeadMismatchError
+    if not isinstance(recorded, dict):
+        raise err(f"{where}: no target record")
+    t, have = recorded, target if isinstance(target, dict) else target.record()
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if t.get(key) is not None and have.get(key) is not None and int(t[key]) != int(have[key]):
+            raise err(f"{where}: {key} is {t[key]} but the target has {have[key]}")
+    if strict_fingerprint and t.get("fingerprint") and have.get("fingerprint") and t["fingerprint"] != have["fingerprint"]:
+        raise err(
             f"{where}: made for target '{t.get('name_or_path')}' (fingerprint {t['fingerprint']}), "
-            f"but the target is '{target.name}' (fingerprint {target.fingerprint})"
+            f"but the target is '{have.get('name_or_path')}' (fingerprint {have['fingerprint']})"
         )
 
 
@@ -291,7 +349,7 @@ def load_head(path: str | Path, target: TargetIO, strict_fingerprint: bool = Tru
     """Rebuild a head from its folder for `target`; refuses a mismatch (hidden, vocab, layers, ids)."""
     folder = Path(path)
     cfg, meta = read_head_config(folder)
-    check_target(meta, target, str(folder), strict_fingerprint)
+    check_target(meta["target"], target, str(folder), strict_fingerprint)
     mod = family_module(cfg.family)
     want_layers = list(mod.feature_layers(cfg, target.config))
     if list(meta.get("layer_ids", [])) != want_layers:
@@ -300,17 +358,26 @@ def load_head(path: str | Path, target: TargetIO, strict_fingerprint: bool = Tru
         )
     weights = folder / "model.safetensors"
     if not weights.is_file():
-        raise FileNotFoundError(f"{weights}: missing")
+        raise HeadError(f"{weights}: missing")
+    want_sha = meta.get("files", {}).get("model.safetensors") if isinstance(meta.get("files"), dict) else None
+    if want_sha is not None and sha256_file(weights) != want_sha:
+        raise HeadError(f"{weights}: corrupted or changed (sha256 differs from {folder / 'config.json'})")
     try:
         state = load_file(str(weights))
     except Exception as e:  # safetensors raises its own error types for truncated files
-        raise ValueError(f"{weights}: unreadable or truncated ({e})") from None
-    head = mod.build(cfg, target)
-    missing, unexpected = head.load_state_dict(state, strict=False)
+        raise HeadError(f"{weights}: unreadable or truncated ({' '.join(str(e).split())})") from None
+    check_finite(state, str(weights))
+    try:
+        head = mod.build(cfg, target)
+    except ValueError as e:
+        raise HeadMismatchError(f"{folder / 'config.json'}: head_config does not fit this target ({e})") from None
+    own = head.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise HeadMismatchError(f"{weights}: missing keys {missing[:3]} / unexpected keys {unexpected[:3]}")
-    for k, v in head.state_dict().items():
+    for k, v in own.items():  # before load_state_dict, which would raise a bare RuntimeError
         if v.shape != state[k].shape:
             raise HeadMismatchError(f"{weights}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+    head.load_state_dict(state)
     head.eval()
     return head, cfg, meta

@@ -26,6 +26,7 @@ import itertools
 import json
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,10 @@ from torch import nn
 from heads.base import (
     FORMAT_VERSION,
     HeadConfig,
+    HeadError,
     HeadMismatchError,
     TargetIO,
+    check_finite,
     family_module,
     load_head,
     read_head_config,
@@ -55,7 +58,7 @@ SPECULATORS_VERSION = "0.1.0"
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ExportError(ValueError):
+class ExportError(HeadError):
     """A folder or an in-memory export does not follow its format's specification; names file and key."""
 
 
@@ -287,6 +290,7 @@ def read_folder(folder: str | Path, fmt: str) -> tuple[dict, dict[str, torch.Ten
         state = load_file(str(w_path))
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise ExportError(f"{w_path}: unreadable or truncated ({e})") from None
+    check_finite(state, str(w_path))
     return config, state
 
 
@@ -632,18 +636,57 @@ def build_export(
     return config, weights
 
 
+def _protected_kind(folder: Path) -> str | None:
+    """What `folder` is when it must never be replaced: a run folder, a head folder or a feature store."""
+    if (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file() or \
+            (folder / "progress.json").is_file():
+        return "a run folder"
+    cfg = folder / "config.json"
+    if cfg.is_file():
+        try:
+            if json.loads(cfg.read_text()).get("format") == "draftheads":
+                return "a head folder"
+        except (ValueError, OSError, AttributeError):
+            pass
+    if (folder / "manifest.json").is_file() or (folder / "store.json").is_file():
+        return "a feature store"
+    return None
+
+
+def check_replaceable(out: str | Path, inputs: tuple[str | Path, ...] = ()) -> None:
+    """Refuse (ExportError) to replace `out` when it is, contains or lies inside a run folder, a head folder,
+    a feature store or one of `inputs` (--force must never delete training results or the source)."""
+    o = Path(out).resolve()
+    for inp in inputs:
+        i = Path(inp).resolve()
+        if o == i or i in o.parents or o in i.parents:
+            raise ExportError(f"{out}: --force would replace {inp}, the input of this command (choose another --out)")
+    for d in (o, *o.parents):
+        kind = _protected_kind(d)
+        if kind:
+            where = "is" if d == o else f"lies inside {d}, which is"
+            raise ExportError(f"{out}: refusing to replace it: it {where} {kind} (choose a new --out)")
+    if o.is_dir():
+        for d in o.rglob("*"):
+            kind = _protected_kind(d) if d.is_dir() else None
+            if kind:
+                raise ExportError(f"{out}: refusing to replace it: it contains {d}, {kind} (choose a new --out)")
+
+
 def write_folder(out: str | Path, fmt: str, config: dict, weights: dict[str, torch.Tensor], force: bool = False,
-                 target: TargetIO | None = None) -> Path:
-    """Write a validated export to `out` via a temporary folder, re-checking the files read back."""
+                 target: TargetIO | None = None, inputs: tuple[str | Path, ...] = ()) -> Path:
+    """Write a validated export to `out` via a fresh temporary folder, re-checking the files read back.
+
+    An existing non-empty `out` is replaced only with `force`, and never when check_replaceable refuses it."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ExportError(f"{out}: exists and is not empty (pass force=True / --force to replace it)")
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise ExportError(f"{out}: exists and is not empty (pass force=True / --force to replace it)")
+        check_replaceable(out, inputs)
     spec = load_spec(fmt)
     validate(fmt, config, weights, target, where=f"{fmt} export to {out}")  # nothing is written if this fails
-    tmp = out.with_name(out.name + ".tmp-export")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-export-", dir=out.parent))  # ours alone
     try:
         save_file(weights, str(tmp / spec["files"]["weights"]), metadata={"format": "pt"})
         (tmp / spec["files"]["config"]).write_text(json.dumps(config, indent=2) + "\n")
@@ -672,8 +715,10 @@ def export_head(
         head, cfg, meta = load_head(head_dir, target)  # refuses a head made for another target
         check_config(load_spec("native"), meta, f"{head_dir}/config.json")
         out = Path(out)
-        if out.exists() and any(out.iterdir()) and not force:
-            raise ExportError(f"{out}: exists and is not empty (pass force=True / --force to replace it)")
+        if out.exists() and any(out.iterdir()):
+            if not force:
+                raise ExportError(f"{out}: exists and is not empty (pass force=True / --force to replace it)")
+            check_replaceable(out, (head_dir,))
         if dtype is not None:
             _cast({}, dtype)  # refuses an unknown dtype name
             head = head.to(FLOAT_DTYPES[dtype])  # Module.to(dtype) leaves the int/bool buffers alone
@@ -681,7 +726,7 @@ def export_head(
         validate_folder(out, "native", target)
         return out
     config, weights = build_export(head_dir, fmt, target, verifier, speculative_tokens, dtype)
-    return write_folder(out, fmt, config, weights, force=force, target=target)
+    return write_folder(out, fmt, config, weights, force=force, target=target, inputs=(head_dir,))
 
 
 def import_folder(folder: str | Path, fmt: str, target: TargetIO) -> tuple[nn.Module, HeadConfig, dict]:

@@ -41,6 +41,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from data.cli import cli_main  # noqa: E402
 from data.config import TargetConfig  # noqa: E402
 from data.target import TargetLoadError, load_target  # noqa: E402
 from eval.costs import (  # noqa: E402
@@ -160,6 +161,7 @@ def hf_generate(model, ids: torch.Tensor, max_new: int, **kw) -> tuple[list[int]
     return out.tolist(), time.perf_counter() - t
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="smollm2-135m", help="target name or path (default smollm2-135m)")

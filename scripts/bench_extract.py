@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from data.cli import cli_main  # noqa: E402
 from data.config import TargetConfig  # noqa: E402
 from data.extract import extract_split, make_header, plan_shards, target_info  # noqa: E402
 from data.readers import read_records  # noqa: E402
@@ -44,6 +45,7 @@ from data.target import load_target  # noqa: E402
 from data.tokenize import collate, tokenize_records  # noqa: E402
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2-135m")

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from data.cli import cli_main  # noqa: E402
 from data.config import RunConfig, TargetConfig  # noqa: E402
 from data.readers import read_records  # noqa: E402
 from data.regenerate import eos_ids, make_jobs, regenerate  # noqa: E402
@@ -52,6 +53,7 @@ def baseline(model, tok, prompts: list[str], max_new_tokens: int) -> tuple[list[
     return answers, tokens, time.perf_counter() - start
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="smollm2-135m", help="target name_or_path (default: smollm2-135m)")

@@ -43,6 +43,8 @@ from typing import Any
 
 import yaml
 
+from data.cli import cli_main
+
 ROOT = Path(__file__).resolve().parents[1]
 ENTRIES = {"eagle1": "train/eagle.py", "eagle3": "train/eagle.py", "medusa": "train/medusa.py", "mtp": "train/mtp.py"}
 # Run-config keys the benchmark sets itself (weak scaling, timing hygiene), with the flag that controls each;
@@ -241,6 +243,7 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                 epilog="Other --key.sub=value arguments are run-config overrides, passed to every run.")

@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from data.cli import cli_main
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = "data/bundled/tiny_conversations.jsonl"
 
@@ -48,6 +50,7 @@ def run_case(config: str, out: Path, overrides: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@cli_main
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")

@@ -14,13 +14,21 @@ key by key against heads/formats/<format>.json and refused, unwritten, if anythi
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from data.cli import cli_main
 from data.config import TargetConfig
-from data.target import TargetLoadError, load_target, resolve_device
-from heads.base import HeadMismatchError, TargetIO, read_head_config, save_head
-from heads.export import EXPORT_FORMATS, FLOAT_DTYPES, IMPORT_FORMATS, ExportError, export_head, import_folder
+from data.target import load_target, resolve_device
+from heads.base import TargetIO, read_head_config, save_head
+from heads.export import (
+    EXPORT_FORMATS,
+    FLOAT_DTYPES,
+    IMPORT_FORMATS,
+    ExportError,
+    check_replaceable,
+    export_head,
+    import_folder,
+)
 
 
 def load_target_io(name: str, device: str = "cpu") -> TargetIO:
@@ -52,26 +60,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0 on success; a user error is one `error:` line and exit code 2 (data.cli.cli_main)."""
     args = parse_args(argv)
-    try:
-        if args.to:
-            _, meta = read_head_config(args.head)
-            target = load_target_io(args.target or meta["target"]["name_or_path"], args.device)
-            out = export_head(args.head, args.to, args.out, target, verifier=args.verifier,
-                              speculative_tokens=args.speculative_tokens, dtype=args.dtype, force=args.force)
-            print(f"exported {args.head} -> {out} ({args.to}), checked against heads/formats/{args.to}.json")
-        else:
-            out_dir = Path(args.out)
-            if out_dir.exists() and any(out_dir.iterdir()) and not args.force:
+    if args.to:
+        _, meta = read_head_config(args.head)
+        target = load_target_io(args.target or meta["target"]["name_or_path"], args.device)
+        out = export_head(args.head, args.to, args.out, target, verifier=args.verifier,
+                          speculative_tokens=args.speculative_tokens, dtype=args.dtype, force=args.force)
+        print(f"exported {args.head} -> {out} ({args.to}), checked against heads/formats/{args.to}.json")
+    else:
+        out_dir = Path(args.out)
+        if out_dir.exists() and any(out_dir.iterdir()):
+            if not args.force:
                 raise ExportError(f"{out_dir}: exists and is not empty (pass --force to replace it)")
-            target = load_target_io(args.target, args.device)
-            head, cfg, provenance = import_folder(args.src, args.import_fmt, target)
-            save_head(out_dir, head, cfg, target, extra=provenance)
-            print(f"imported {args.src} ({args.import_fmt}) -> {out_dir} (native {cfg.family} head)")
-    except (ExportError, HeadMismatchError, TargetLoadError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            check_replaceable(out_dir, (args.src,))
+        target = load_target_io(args.target, args.device)
+        head, cfg, provenance = import_folder(args.src, args.import_fmt, target)
+        save_head(out_dir, head, cfg, target, extra=provenance)
+        print(f"imported {args.src} ({args.import_fmt}) -> {out_dir} (native {cfg.family} head)")
     return 0
 
 

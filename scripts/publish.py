@@ -24,10 +24,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from data.cli import UserError, cli_main, is_user_error, one_line
 from data.config import TargetConfig
-from data.target import TargetLoadError, load_target
-from heads.base import HeadMismatchError, read_head_config
-from heads.export import ExportError, export_head, verifier_id
+from data.target import load_target
+from heads.base import read_head_config
+from heads.export import export_head, verifier_id
+
+
+class PublishError(UserError, RuntimeError):
+    """Nothing to publish, or nowhere to stage it; the message names the folder."""
 
 ROOT_FORMAT = {"eagle3": "speculators", "medusa": "medusa", "mtp": "mtp"}
 TAU_NOTE = "tau = tokens emitted per target forward pass, counting the corrected or bonus token (SGLang's accept_length)."
@@ -43,7 +48,7 @@ def find_report(head: Path, report: str | None) -> tuple[Path | None, Path | Non
         if js.is_file() or md.is_file():
             return (js if js.is_file() else None, md if md.is_file() else None)
     if report:
-        raise FileNotFoundError(f"--report {report}: no report.json or report.md there")
+        raise PublishError(f"--report {report}: no report.json or report.md there")
     return None, None
 
 
@@ -222,6 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     token = os.environ.get("HF_TOKEN") or None
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         _, meta = read_head_config(head)
         js, md = find_report(head, args.report)
         if js is None and md is None and not args.force:
-            raise FileNotFoundError(
+            raise PublishError(
                 f"{head}: no eval report (report.json / report.md in {head}, {head}/eval or {head.parent}/eval); "
                 "run `python -m eval.run --head ...` first, pass --report, or --force to publish unmeasured"
             )
@@ -239,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.stage:
             tmp = tempfile.TemporaryDirectory()
         out = Path(args.stage or tmp.name) / "publish"
-        if out.exists():
-            shutil.rmtree(out)
+        if out.exists():  # created fresh: a folder the tool did not create is never deleted
+            raise PublishError(f"{out}: already exists; remove it yourself or give another --stage")
         k = best_k(js)  # the measured best draft length goes into the speculators config and the commands
         stage(head, meta, out, args.target or meta["target"]["name_or_path"], js, md, k)
         files = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file()) + ["README.md"]
@@ -254,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             print("dry run: nothing uploaded")
             return 0
         if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-            raise RuntimeError("HF_HUB_OFFLINE is set: unset it to publish (or use --dry-run)")
+            raise PublishError("HF_HUB_OFFLINE is set: unset it to publish (or use --dry-run)")
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
@@ -263,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                           commit_message=f"Upload {meta['family']} head ({len(files)} files)")
         print(f"uploaded to {url}")
         return 0
-    except (ExportError, HeadMismatchError, TargetLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"error: {_scrub(str(e), token)}", file=sys.stderr)
-        return 2
-    except Exception as e:  # Hub client errors (HTTP, auth): reported without a traceback that could echo headers
+    except Exception as e:
+        if is_user_error(e):
+            print(f"error: {_scrub(one_line(e), token)}", file=sys.stderr)
+            return 2
+        # Hub client errors (HTTP, auth): reported without a traceback that could echo headers
         print(f"error: upload failed: {type(e).__name__}: {_scrub(str(e), token)}", file=sys.stderr)
         return 2
     finally:

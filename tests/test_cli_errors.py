@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from procs import communicate, start
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["regenerate-malformed-line", "regenerate-unknown-key", "regenerate-missing-model",
@@ -51,12 +51,11 @@ def results(tmp_path_factory):
     assert sorted(cases) == sorted(NAMES)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
                WANDB_MODE="disabled")
-    procs = {name: (subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE), want)
+    procs = {name: (start([sys.executable, "-m", *args], merge_stderr=False, cwd=ROOT, env=env), want)
              for name, (args, want) in cases.items()}
     out = {}
     for name, (p, want) in procs.items():
-        stdout, stderr = p.communicate(timeout=300)
+        stdout, stderr = communicate(p, timeout=300)
         out[name] = (p.returncode, stdout, stderr, want)
     return out
 

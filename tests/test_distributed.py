@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from procs import finish, free_port, start
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,24 +50,23 @@ def _launch(accel_config: str, out: Path, env: dict[str, str], args: list[str] =
             entry: str = "eagle.py") -> subprocess.Popen:
     """2 processes of train/<entry> under `accelerate launch` with one of our launcher configs."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / accel_config),
-           "--num_processes", "2", "--main_process_port", "0",
+           "--num_processes", "2", "--main_process_port", "0",  # 0: torch binds a free port itself
            str(REPO / "train" / entry), *args, "--out", str(out)]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start(cmd, cwd=REPO, env=env)
 
 
 def _single(out: Path) -> subprocess.Popen:
     cmd = [sys.executable, str(REPO / "train" / "eagle.py"), *RUN_ARGS, "--out", str(out)]
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start(cmd, cwd=REPO, env=_env())
 
 
 def _finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+    """Wait for proc; on timeout its whole process group is killed (tests/procs.py) and the test fails."""
     try:
-        text, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        text, _ = proc.communicate()
-        pytest.fail(f"{what} did not finish in {timeout:.0f} s; output tail:\n{text[-3000:]}")
-    assert proc.returncode == 0, f"{what} exited with {proc.returncode}; output tail:\n{text[-3000:]}"
+        rc, text = finish(proc, timeout)
+    except TimeoutError as e:
+        pytest.fail(f"{what}: {e}")
+    assert rc == 0, f"{what} exited with {rc}; output tail:\n{text[-3000:]}"
 
 
 def _metrics(out: Path) -> tuple[int, list[float]]:
@@ -119,29 +119,20 @@ def test_two_processes_with_half_batch_match_one_process(tmp_path: Path) -> None
     _assert_heads_close(one, two, atol=1e-6)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.distributed
 def test_two_machines_match_one_process(tmp_path: Path) -> None:
     """The multi-node launch scripts/slurm/train.sbatch makes (one `accelerate launch` per node with
     --num_machines/--machine_rank/--main_process_ip/--main_process_port), played by two launchers on this
     host with one process each: they rendezvous into one world of 2 and train what 1 process trains."""
     one, two = tmp_path / "one", tmp_path / "two"
-    port = str(_free_port())
+    port = str(free_port())
     procs = [(_single(one), "1-process run")]
     for machine in ("0", "1"):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / "ddp.yaml"),
                "--num_machines", "2", "--machine_rank", machine, "--main_process_ip", "127.0.0.1",
                "--main_process_port", port, "--num_processes", "2",
                str(REPO / "train" / "eagle.py"), *RUN_ARGS, "--out", str(two)]
-        procs.append((subprocess.Popen(cmd, cwd=REPO, env=_env(ACCELERATE_USE_CPU="1"), stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True), f"machine {machine}"))
+        procs.append((start(cmd, cwd=REPO, env=_env(ACCELERATE_USE_CPU="1")), f"machine {machine}"))
     for proc, what in procs:
         _finish(proc, what)
     (world1, loss1), (world2, loss2) = _metrics(one), _metrics(two)
@@ -162,9 +153,8 @@ def test_unsynchronised_launch_is_refused(tmp_path: Path, accel_config: str, mes
     copies with no error; the loop must refuse instead of training N unsynchronised heads."""
     if torch.cuda.is_available():
         pytest.skip("on a GPU machine these configs do synchronise")
-    proc = _launch(accel_config, tmp_path / "run", _env())
-    text, _ = proc.communicate(timeout=300)
-    assert proc.returncode != 0, text[-2000:]
+    rc, text = finish(_launch(accel_config, tmp_path / "run", _env()), timeout=300)
+    assert rc != 0, text[-2000:]
     assert message in text and "ACCELERATE_USE_CPU=1" in text, text[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -235,8 +225,7 @@ def test_fsdp_target_placement_shards_layers_and_keeps_features(tmp_path: Path) 
     script.write_text(FSDP_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(script), str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _finish(proc, "FSDP placement script", timeout=300)
+    _finish(start(cmd, cwd=REPO, env=_env()), "FSDP placement script", timeout=300)
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for row in rows:
         assert row["placement"] == "fsdp" and row["stats"]["target_placement"] == "fsdp"
@@ -328,7 +317,8 @@ def test_zero3_mtp_resume_matches_uninterrupted(tmp_path: Path) -> None:
     _finish(launch(split, "--train.max_steps=2"), "first half", timeout=900)
     # All 4 steps lie in the warmup (optim.warmup_steps=5), so stopping the first half by max_steps=2 does
     # not change its learning rates; the resumed half restores optimizer, scheduler and RNG state.
-    _finish(launch(split, "--resume", "auto"), "resumed half", timeout=900)
+    # DeepSpeed writes its checkpoint with pickle: resuming it is an explicit act of trust.
+    _finish(launch(split, "--resume", "auto", "--trust-checkpoint"), "resumed half", timeout=900)
 
     def losses(out: Path) -> dict[int, float]:
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -338,6 +328,28 @@ def test_zero3_mtp_resume_matches_uninterrupted(tmp_path: Path) -> None:
     assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [1, 2, 3, 4]
     assert [b[s] for s in (1, 2, 3, 4)] == pytest.approx([a[s] for s in (1, 2, 3, 4)], rel=1e-5, abs=1e-6)
     assert _placement(split)["target_placement"] == "zero3"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_resume_matches_uninterrupted(tmp_path: Path) -> None:
+    """2-process DDP: 4 steps straight vs 2 steps, then --resume auto, log the same losses; the checkpoint
+    holds only JSON and safetensors (every rank's RNG state included), so no --trust-checkpoint."""
+    args = [*RUN_ARGS, "--train.max_steps=4", "--optim.warmup_steps=5", "--train.checkpoint_every=2"]
+    env = _env(ACCELERATE_USE_CPU="1")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _finish(_launch("ddp.yaml", straight, env, args), "uninterrupted DDP run")
+    _finish(_launch("ddp.yaml", split, env, [*args, "--train.max_steps=2"]), "first half")
+    ckpt = split / "checkpoints" / "step-00000002"
+    assert sorted(p.suffix for p in ckpt.iterdir()) == [".json"] * 4 + [".safetensors"] * 3
+    _finish(_launch("ddp.yaml", split, env, [*args, "--resume", "auto"]), "resumed half")
+    a = {r["step"]: r["loss"] for r in map(json.loads, (straight / "metrics.jsonl").read_text().splitlines())
+         if r["event"] == "train"}
+    b = {r["step"]: r["loss"] for r in map(json.loads, (split / "metrics.jsonl").read_text().splitlines())
+         if r["event"] == "train"}
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert [b[s] for s in a] == pytest.approx([a[s] for s in a], rel=1e-5, abs=1e-6)
+    assert _digests(straight) == _digests(split)
 
 
 def test_device_map_target_refused_in_training() -> None:

@@ -16,7 +16,7 @@ from data.config import EvalConfig, TargetConfig
 from data.readers import DataError
 from eval.bench import load_questions
 from eval.report import PLOTS, markdown
-from heads.base import HeadMismatchError, family_module, save_head
+from heads.base import HeadError, HeadMismatchError, family_module, save_head
 from heads.eagle import Eagle3Config
 
 
@@ -129,7 +129,7 @@ def test_bad_input_is_named(tmp_path, tiny_target):
         run.evaluate(None, _cfg(), tmp_path, drafter="head")
     with pytest.raises(run.EvalError, match="unknown baseline 'vllm'"):
         run.evaluate(None, _cfg(), tmp_path, drafter="ngram", baselines=["vllm"])
-    with pytest.raises(FileNotFoundError, match="not a head folder"):
+    with pytest.raises(HeadError, match="not a head folder"):
         run.evaluate(tmp_path / "missing", _cfg(), tmp_path)
 
 

@@ -359,5 +359,7 @@ def test_cli_export_and_import(heads_dir, tmp_path, capsys):
     a, b = load_file(str(head / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     # refusals exit 2 with a message naming the problem, not a traceback
-    assert cli.main(["--head", str(head), "--to", "medusa", "--out", str(tmp_path / "m")]) == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--head", str(head), "--to", "medusa", "--out", str(tmp_path / "m")])
+    assert e.value.code == 2
     assert "cannot be exported to medusa" in capsys.readouterr().err

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +15,8 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from procs import kill_group, start
+from procs import run as run_proc
 
 from data.config import RunConfig, load_config
 from data.extract import extract_split, main, make_header, plan_shards, run, target_info
@@ -195,16 +195,15 @@ def test_killed_extraction_resumes_to_the_same_store(tmp_path: Path) -> None:
     cfg_file = write_config(tmp_path / "c.yaml", data)
     killed, oneshot = tmp_path / "killed", tmp_path / "oneshot"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "data.extract", "--config", str(cfg_file), "--out", str(killed),
-                             "--split", "train"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = start([sys.executable, "-m", "data.extract", "--config", str(cfg_file), "--out", str(killed),
+                  "--split", "train"], capture=False, cwd=ROOT, env=env)
     part = killed / "features" / "train" / part_name(0, 1)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if part.is_file() and read_json(part)["shards"]:
             break
         time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
+    kill_group(proc)
     proc.wait()
     state = read_json(part)
     assert 1 <= len(state["shards"]) < state["planned_shards"], "the kill did not land half-way"
@@ -253,7 +252,7 @@ def test_disk_space_projection_refused(tmp_path: Path, monkeypatch: pytest.Monke
     cfg = make_cfg(tmp_path / "run", write_conversations(tmp_path / "c.jsonl", 10))
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
-    with pytest.raises(StoreError, match="the store needs .* GB but only 0.00 GB are free"):
+    with pytest.raises(StoreError, match="the store needs .* but only 1.00 kB are free"):
         run(cfg, ("train",))
     assert "256 bytes per token" in capsys.readouterr().err  # hidden 64 x float32, printed before refusing
     assert not list((tmp_path / "run").glob("features/**/*.safetensors"))
@@ -267,7 +266,7 @@ def test_accelerate_launch_two_ranks(tmp_path: Path) -> None:
            str(ROOT / "configs" / "accelerate" / "ddp.yaml"), "--num_processes", "2", "-m", "data.extract",
            "--config", str(write_config(tmp_path / "c.yaml", data)), "--out", str(tmp_path / "run"),
            "--split", "train"]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    res = run_proc(cmd, cwd=ROOT, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     m = read_json(tmp_path / "run" / "features" / "train" / MANIFEST)
     assert {s["file"][:17] for s in m["shards"]} == {"shard-r0000of0002", "shard-r0001of0002"}

@@ -5,13 +5,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from drafters_common import assert_sampling_exact, make_batch, overfit
+from procs import run as run_proc
 
 from data.config import TargetConfig
 from data.features import forward_features
@@ -154,16 +154,16 @@ def test_save_load_round_trip_and_mismatch(tmp_path: Path, tiny_target, trained)
 
 def test_tiny_config_trains_a_loadable_head(tmp_path: Path, tiny_target) -> None:
     out = tmp_path / "run"
-    proc = subprocess.run(
+    proc = run_proc(
         [sys.executable, "train/medusa.py", "--config", "configs/tiny-medusa.yaml", "--out", str(out),
          "--train.epochs=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     head, cfg, meta = load_head(out / "head", tiny_target[2])
     assert cfg.family == "medusa" and cfg.num_heads == 3 and meta["extra"]["step"] > 0
-    wrong = subprocess.run(
+    wrong = run_proc(
         [sys.executable, "train/medusa.py", "--config", "configs/tiny-mtp.yaml", "--out", str(tmp_path / "x")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, timeout=120,
     )
     assert wrong.returncode == 2 and "medusa" in wrong.stderr

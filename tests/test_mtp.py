@@ -6,13 +6,13 @@ drafter against a full recomputation, save/load/draft round trip, exact greedy d
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from drafters_common import assert_sampling_exact, make_batch, overfit
+from procs import run as run_proc
 
 from data.config import TargetConfig
 from data.features import forward_features
@@ -182,9 +182,9 @@ def test_save_load_round_trip_and_mismatch(tmp_path: Path, targets, trained) -> 
 
 def test_tiny_config_trains_a_loadable_head(tmp_path: Path, tiny_target) -> None:
     out = tmp_path / "run"
-    proc = subprocess.run(
+    proc = run_proc(
         [sys.executable, "train/mtp.py", "--config", "configs/tiny-mtp.yaml", "--out", str(out), "--train.epochs=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     head, cfg, meta = load_head(out / "head", tiny_target[2])

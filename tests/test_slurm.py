@@ -17,12 +17,12 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from procs import run as run_proc
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "scripts" / "slurm"
@@ -52,14 +52,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         pytest.fail("the slurm tests need root and `apt-get install -y slurm-wlm munge`")
     state = tmp_path_factory.mktemp("slurm") / "state"
     env = dict(os.environ, SLURM_LOCAL_PORT=str(_free_port_pair()))
-    out = subprocess.run([str(SLURM / "local_cluster.sh"), "start", str(state)], env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = run_proc([str(SLURM / "local_cluster.sh"), "start", str(state)], env=env, timeout=120)
     assert out.returncode == 0, f"cluster did not start:\n{out.stdout}\n{out.stderr}"
     env["SLURM_CONF"] = str(state / "slurm.conf")
     try:
         yield env
     finally:
-        subprocess.run([str(SLURM / "local_cluster.sh"), "stop", str(state)], env=env, timeout=60, check=True)
+        stop = run_proc([str(SLURM / "local_cluster.sh"), "stop", str(state)], env=env, timeout=60)
+        assert stop.returncode == 0, f"cluster did not stop:\n{stop.stdout}\n{stop.stderr}"
     assert not state.exists()
 
 
@@ -67,8 +67,7 @@ def test_train_sbatch_saves_requeues_and_resumes(cluster: dict[str, str], tmp_pa
     run = tmp_path / "run"
     # errors="replace": the job log it prints interleaves two ranks' progress bars, which can split a
     # multi-byte character (seen once in CI: a UnicodeDecodeError on a run that had passed).
-    proc = subprocess.run([str(SLURM / "test_requeue.sh"), str(run)], env=cluster, cwd=REPO,
-                          capture_output=True, text=True, errors="replace", timeout=900)
+    proc = run_proc([str(SLURM / "test_requeue.sh"), str(run)], env=cluster, cwd=REPO, errors="replace", timeout=900)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert "PASS: job" in proc.stdout
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -82,11 +81,10 @@ def test_extract_sbatch_array_then_merge(cluster: dict[str, str], tmp_path: Path
     run = tmp_path / "ex"
     args = [str(SLURM / "extract.sbatch"), "submit", "2", "configs/tiny-eagle.yaml", str(run),
             "--data.max_samples=24", "--", "--cpus-per-task=1"]
-    sub = subprocess.run(args, env=cluster, cwd=REPO, capture_output=True, text=True, timeout=60)
+    sub = run_proc(args, env=cluster, cwd=REPO, timeout=60)
     assert sub.returncode == 0, sub.stderr
     deadline = time.monotonic() + 600
-    while subprocess.run(["squeue", "-h", "-o", "%i"], env=cluster, capture_output=True,
-                         text=True).stdout.strip():
+    while run_proc(["squeue", "-h", "-o", "%i"], env=cluster, timeout=60).stdout.strip():
         assert time.monotonic() < deadline, "extraction jobs still queued after 10 minutes"
         time.sleep(3)
     merge_logs = list(run.glob("slurm-merge-*.out"))

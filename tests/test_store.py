@@ -167,7 +167,7 @@ def test_disk_space_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=10**6))
     check_disk_space(tmp_path / "not" / "yet", 10**5)
-    with pytest.raises(StoreError, match=r"needs 0.01 GB but only 0.00 GB are free"):
+    with pytest.raises(StoreError, match=r"needs 10.00 MB but only 1.00 MB are free"):
         check_disk_space(tmp_path / "not" / "yet", 10**7)
 
 

@@ -78,15 +78,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from data.config import ConfigError, RunConfig, parse_args, save_config, to_dict
-from heads.base import HeadMismatchError, TargetIO, family_module, save_head
+from data.cli import UserError, cli_main, write_atomic
+from data.config import RunConfig, check_layer_ids, parse_args, save_config, to_dict
+from heads.base import (
+    HeadMismatchError,
+    TargetIO,
+    check_finite,
+    check_target,
+    family_module,
+    save_head,
+    sha256_file,
+)
 from train.placement import load_frozen_target
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 KEEP_CHECKPOINTS = 2
 
 
-class TrainError(ValueError):
+class TrainError(UserError, ValueError):
     """The run cannot start as configured; the message names the setting."""
 
 
@@ -242,7 +251,7 @@ class MetricsLog:
         if not self.enabled:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(_finite_or_none(row), allow_nan=False) + "\n")
         if self.wandb is not None and "step" in row:
             self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=int(row["step"]))
 
@@ -274,9 +283,173 @@ class LossModule(nn.Module):
         return self.loss_fn(self.head, batch, self.target)
 
 
-def _latest_checkpoint(out: Path) -> Path | None:
-    ckpts = sorted(p for p in (out / "checkpoints").glob("step-*") if (p / "progress.json").is_file())
-    return ckpts[-1] if ckpts else None
+# ----------------------------------------------------------------------------------------------- checkpoints
+# A checkpoint of a single-process or DDP run holds only JSON and safetensors (`state.*`, `rng.rankR.*`,
+# progress.json with every file's sha256): nothing in it can execute on load. DeepSpeed and FSDP write
+# their own (pickle) files through accelerator.save_state; resuming those needs --trust-checkpoint.
+SAFE_SUFFIXES = (".json", ".safetensors")
+CKPT_FORMAT = "draftheads-state"
+# Config keys a resume cannot change (they define the model, its data or its data order), except the
+# caches and paths in FREE_ON_RESUME; every other changed key is applied and recorded in a `resume` event.
+FIXED_ON_RESUME = ("target.", "data.", "features.", "head.", "seed", "train.batch_size", "train.global_batch_size",
+                   "optim.grad_accum", "optim.betas", "train.mixed_precision")
+FREE_ON_RESUME = ("data.cache_dir", "features.store", "features.verify_on_read", "target.device")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def config_changes(saved: dict, now: dict) -> dict[str, list[Any]]:
+    """{dotted key: [saved value, this run's value]} for every key that differs (`out` ignored: runs move)."""
+    a, b = _flat(saved), _flat(now)
+    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if k != "out" and a.get(k) != b.get(k)}
+
+
+def _pickle_files(ckpt: Path) -> list[str]:
+    return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.suffix not in SAFE_SUFFIXES)
+
+
+def read_checkpoint(ckpt: Path, trust: bool = False) -> dict:
+    """progress.json of a checkpoint, after checking it is whole (checksums) and holds nothing executable.
+
+    TrainError names the file: unreadable or half-written progress.json, a missing or changed file, or a
+    pickle file (unless `trust`: --trust-checkpoint)."""
+    path = ckpt / "progress.json"
+    try:
+        progress = json.loads(path.read_text())
+        if not isinstance(progress, dict) or not isinstance(progress.get("step"), int):
+            raise ValueError("no integer 'step'")
+    except OSError as e:
+        raise TrainError(f"{path}: cannot read ({e.strerror})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TrainError(f"{path}: corrupt checkpoint progress file ({e})") from None
+    for name, sha in progress.get("files", {}).items():
+        f = ckpt / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise TrainError(f"{path}: file '{name}' lies outside the checkpoint folder")
+        if not f.is_file():
+            raise TrainError(f"{f}: missing (listed in {path})")
+        if sha256_file(f) != sha:
+            raise TrainError(f"{f}: corrupted or changed (sha256 differs from {path})")
+    bad = _pickle_files(ckpt)
+    if bad and not trust:
+        raise TrainError(f"{ckpt}: holds pickle files that could run code when loaded ({', '.join(bad[:3])}); "
+                         f"resume only a checkpoint you wrote yourself, with --trust-checkpoint")
+    if progress.get("format") != CKPT_FORMAT and not trust:
+        raise TrainError(f"{path}: not a {CKPT_FORMAT} checkpoint (an older or DeepSpeed/FSDP one); resume it "
+                         f"with --trust-checkpoint if you wrote it yourself")
+    return progress
+
+
+def find_checkpoint(out: Path, resume: str | None, trust: bool) -> tuple[Path | None, dict]:
+    """The checkpoint to resume and its progress: `resume` PATH, or "auto" = the newest sound one in
+    OUT/checkpoints (a corrupt newest one is skipped with a warning; the previous one is used)."""
+    if resume is None:
+        return None, {}
+    if resume != "auto":
+        ckpt = Path(resume)
+        if not ckpt.is_dir():
+            raise TrainError(f"--resume {resume}: no such checkpoint folder")
+        return ckpt, read_checkpoint(ckpt, trust)
+    for ckpt in sorted((out / "checkpoints").glob("step-*"), reverse=True):
+        try:
+            return ckpt, read_checkpoint(ckpt, trust)
+        except TrainError as e:
+            if "pickle" in str(e) or "--trust-checkpoint" in str(e):
+                raise
+            print(f"warning: skipping checkpoint {ckpt}: {e}", file=sys.stderr, flush=True)
+    return None, {}
+
+
+def _finite_or_none(row: dict[str, Any]) -> dict[str, Any]:
+    """NaN/inf are not JSON: they are written as null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
+    """Python, numpy, torch (and CUDA) RNG states as JSON + tensors (no pickle)."""
+    import random
+
+    import numpy as np
+
+    py = random.getstate()
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype(np.int64))}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    return {"python": [py[0], list(py[1]), py[2]], "numpy": [name, int(pos), int(has_gauss), float(gauss)]}, tensors
+
+
+def _set_rng_state(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    import random
+
+    import numpy as np
+
+    v, state, gauss = meta["python"]
+    random.setstate((v, tuple(state), gauss))
+    name, pos, has_gauss, g = meta["numpy"]
+    np.random.set_state((name, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, g))
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[f"cuda.{i}"] for i in range(torch.cuda.device_count()) if f"cuda.{i}" in tensors]
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def save_state(path: Path, accelerator: Any, model: nn.Module, optimizer: Any, main_proc: bool) -> None:
+    """The pickle-free checkpoint of a single-process or DDP run (the module holds the whole head)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    meta, rng = _rng_state()
+    save_file({k: v.contiguous() for k, v in rng.items()}, str(path / f"rng.rank{accelerator.process_index}.safetensors"))
+    write_atomic(path / f"rng.rank{accelerator.process_index}.json", json.dumps(meta))
+    if not main_proc:
+        return
+    tensors = {f"model.{k}": v.detach().cpu().contiguous().clone()
+               for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    check_finite({k.removeprefix("model."): v for k, v in tensors.items()}, str(path))
+    opt = optimizer.state_dict()
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, st in opt["state"].items():
+        scalars[str(pid)] = {}
+        for name, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"optim.{pid}.{name}"] = v.detach().cpu().contiguous().clone()
+            else:
+                scalars[str(pid)][name] = v
+    state = {"param_groups": opt["param_groups"], "optim_scalars": scalars,
+             "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
+    save_file(tensors, str(path / "state.safetensors"))
+    write_atomic(path / "state.json", json.dumps(state))
+
+
+def load_state(path: Path, accelerator: Any, model: nn.Module, optimizer: Any) -> None:
+    """Load what save_state wrote (safetensors and JSON only)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "state.safetensors"))
+    meta = json.loads((path / "state.json").read_text())
+    weights = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    check_finite(weights, str(path))
+    accelerator.unwrap_model(model).load_state_dict(weights)
+    opt_state: dict[int, dict[str, Any]] = {int(pid): dict(s) for pid, s in meta["optim_scalars"].items()}
+    for k, v in tensors.items():
+        if k.startswith("optim."):
+            _, pid, name = k.split(".", 2)
+            opt_state.setdefault(int(pid), {})[name] = v
+    optimizer.load_state_dict({"state": opt_state, "param_groups": meta["param_groups"]})
+    if meta.get("scaler") is not None and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(meta["scaler"])
+    rank_file = path / f"rng.rank{accelerator.process_index}.safetensors"
+    if rank_file.is_file():  # a resume on fewer ranks: the others start from the seed's state
+        _set_rng_state(json.loads(rank_file.with_suffix(".json").read_text()), load_file(str(rank_file)))
 
 
 def params_digest(module: nn.Module) -> str:
@@ -322,20 +495,32 @@ def check_launch(dist: Any, env: dict[str, str] | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- train
-def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], None] | None = None,
+          trust_checkpoint: bool = False) -> dict[str, Any]:
     """Train cfg.head on cfg.data; returns a summary (final held-out metrics, steps, out folder).
 
-    `resume`: a checkpoint folder, or "auto" (the newest in OUT/checkpoints, if any). `on_step(step)` is
-    called on every rank after each optimizer step (used by tests to deliver a signal at a known step).
+    `resume`: a checkpoint folder, or "auto" (the newest sound one in OUT/checkpoints, if any). A changed
+    config key is applied and logged (a `resume` event) or refused (FIXED_ON_RESUME). `trust_checkpoint`
+    allows checkpoints holding pickle files (DeepSpeed/FSDP, older runs). `on_step(step)` is called on
+    every rank after each optimizer step (used by tests to deliver a signal at a known step).
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
 
     from data.featureset import open_featureset
+    from data.target import load_config_only, text_config
     from data.tokenize import build_datasets
 
     mod = family_module(cfg.head.family)
     out = Path(cfg.out)
+    # Before anything heavy: the checkpoint is sound and the config changes are ones a resume can apply.
+    ckpt, progress = find_checkpoint(out, resume, trust_checkpoint)
+    changes = config_changes(progress["config"], to_dict(cfg)) if "config" in progress else {}
+    fixed = [k for k in changes if k.startswith(FIXED_ON_RESUME) and k not in FREE_ON_RESUME]
+    if fixed:
+        raise TrainError(f"{ckpt}: a resumed run cannot change {', '.join(fixed)} (saved "
+                         f"{', '.join(f'{k}={changes[k][0]!r}' for k in fixed)}); start a new --out instead")
+    check_layer_ids(cfg, text_config(load_config_only(cfg.target)))  # before the weights load
     # CPU process groups need gloo (DeepSpeed would otherwise ask for a GPU backend); a single process
     # must get no backend at all, or accelerate expects a process group that nobody started.
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -346,21 +531,26 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
     main_proc = accelerator.is_main_process
     stop = {"signal": None}
     previous = {s: signal.signal(s, lambda signum, frame: stop.update(signal=signum)) for s in STOP_SIGNALS}
+    own_state = accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
     try:
         set_seed(cfg.seed)
         if main_proc:
             out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, out)
         online = cfg.features.mode == "online"
         ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
         frozen = load_frozen_target(cfg, accelerator, online)
         model, tok, target = frozen.model, frozen.tokenizer, frozen.io
+        if "target" in progress:  # the same weights as the run that wrote the checkpoint
+            check_target(progress["target"], target, str(ckpt))
+        if main_proc:
+            save_config(cfg, out)  # after the resume checks: config.yaml says what runs
         with accelerator.main_process_first():
             train_ds, hold_ds = build_datasets(cfg, tok)
         layer_ids = list(mod.feature_layers(cfg.head, target.config))
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        train_fs = open_featureset(cfg, train_ds, model, layer_ids, "train", pad_id)
-        hold_fs = open_featureset(cfg, hold_ds, model, layer_ids, "holdout", pad_id) if len(hold_ds) else None
+        train_fs = open_featureset(cfg, train_ds, model, layer_ids, "train", pad_id, target=target)
+        hold_fs = open_featureset(cfg, hold_ds, model, layer_ids, "holdout", pad_id,
+                                  target=target) if len(hold_ds) else None
         plan = make_plan(cfg, train_fs.lengths, world)
         try:
             init = mod.prepare(cfg.head, train_ds, target) if hasattr(mod, "prepare") else {}
@@ -389,21 +579,37 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
             if ds_cfg.get("gradient_clipping") == "auto":
                 ds_cfg["gradient_clipping"] = cfg.optim.grad_clip
         wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
-        accelerator.register_for_checkpointing(scheduler)
+        # The scheduler is not checkpointed: its state is the step, and the lr schedule of THIS config
+        # applies after a resume (set below).
 
         start = 0
-        ckpt = _latest_checkpoint(out) if resume == "auto" else (Path(resume) if resume else None)
         if ckpt is not None:
-            progress = json.loads((ckpt / "progress.json").read_text())
-            if progress["global_batch"] != plan.global_batch:
-                raise TrainError(f"{ckpt}: saved with a global batch of {progress['global_batch']} sequences, this "
-                                 f"run has {plan.global_batch}; set train.global_batch_size to resume it")
-            accelerator.load_state(str(ckpt))
+            if progress.get("global_batch") != plan.global_batch:
+                raise TrainError(f"{ckpt}: saved with a global batch of {progress.get('global_batch')} sequences, "
+                                 f"this run has {plan.global_batch}; set train.global_batch_size to resume it")
+            if progress.get("format") == CKPT_FORMAT:
+                if not own_state:
+                    raise TrainError(f"{ckpt}: written by a single-process/DDP run; DeepSpeed/FSDP cannot resume it")
+                load_state(ckpt, accelerator, wrapped, optimizer)
+            else:
+                accelerator.load_state(str(ckpt))  # --trust-checkpoint: accelerate's own (pickle) files
             start = int(progress["step"])
             accelerator.step = start * plan.accum
+            scheduler.last_epoch = start
+            for g, base in zip(optimizer.param_groups, scheduler.base_lrs):
+                g["initial_lr"] = base
+                g["lr"] = base * lr_factor(start, cfg.optim.warmup_steps, plan.total_steps, cfg.optim.min_lr_ratio)
+                g["weight_decay"] = cfg.optim.weight_decay
+            scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
             if main_proc:
                 print(f"resumed from {ckpt} at step {start}")
         log = MetricsLog(cfg, out, main_proc)
+        if ckpt is not None and start >= plan.total_steps:
+            if main_proc:
+                print(f"{ckpt}: this run already finished ({start} of {plan.total_steps} steps); nothing to do "
+                      f"(raise train.max_steps or train.epochs to train further)", flush=True)
+            log.close()
+            return {"out": str(out), "step": start, "stopped": False, "already_finished": True}
         log.write({"event": "start", "family": cfg.head.family, "world_size": world,
                    "distributed_type": str(accelerator.distributed_type.value), "grad_accum": plan.accum,
                    "per_process_batch": plan.batch_size, "global_batch_size": plan.global_batch,
@@ -411,6 +617,8 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
                    "train_conversations": len(train_ds), "holdout_conversations": len(hold_ds),
                    "features": cfg.features.mode, **frozen.stats(),
                    "resumed_from": str(ckpt) if ckpt else None, "start_step": start})
+        if ckpt is not None:
+            log.write({"event": "resume", "step": start, "checkpoint": str(ckpt), "changed": changes})
 
         def evaluate(step: int) -> dict[str, float]:
             if hold_fs is None:
@@ -437,11 +645,22 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
 
         def checkpoint(step: int) -> Path:
             path = out / "checkpoints" / f"step-{step:08d}"
-            accelerator.save_state(str(path))
+            if main_proc and (path / "progress.json").exists():
+                (path / "progress.json").unlink()  # a rewrite: the folder is unfinished until progress.json
+            accelerator.wait_for_everyone()
+            if own_state:
+                save_state(path, accelerator, wrapped, optimizer, main_proc)
+            else:
+                accelerator.save_state(str(path))
             write_head(step)
+            accelerator.wait_for_everyone()
             if main_proc:
-                (path / "progress.json").write_text(json.dumps(
-                    {"step": step, "global_batch": plan.global_batch, "world_size": world}))
+                files = {str(f.relative_to(path)): sha256_file(f) for f in sorted(path.rglob("*"))
+                         if f.is_file() and f.name != "progress.json"}
+                write_atomic(path / "progress.json", json.dumps(
+                    {"format": CKPT_FORMAT if own_state else "accelerate", "step": step,
+                     "global_batch": plan.global_batch, "world_size": world, "config": to_dict(cfg),
+                     "target": target.record(), "files": files}))
                 for old in sorted((out / "checkpoints").glob("step-*"))[:-KEEP_CHECKPOINTS]:
                     shutil.rmtree(old, ignore_errors=True)
             accelerator.wait_for_everyone()
@@ -451,7 +670,9 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
             state = accelerator.get_state_dict(wrapped)
             if main_proc:
                 fresh = mod.build(cfg.head, target)
-                fresh.load_state_dict({k.removeprefix("head."): v for k, v in state.items()})
+                weights = {k.removeprefix("head."): v for k, v in state.items()}
+                check_finite(weights, f"step {step}")
+                fresh.load_state_dict(weights)
                 save_head(out / "head", fresh, cfg.head, target,
                           extra={"step": step, "data": cfg.data.path, "features": cfg.features.mode,
                                  "global_batch_size": plan.global_batch})
@@ -468,45 +689,47 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
         tokens, t_last = 0, time.perf_counter()
         step, stopped = start, None
         loss_value = float("nan")
-        while step < plan.total_steps:
-            for idx in plan.micro_batches(step, rank):
-                batch = _to_device(train_fs.batch(idx), accelerator.device)
-                tokens += int(batch["attention_mask"].sum())
-                with accelerator.accumulate(wrapped):
-                    loss, m = wrapped(batch)
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients and cfg.optim.grad_clip > 0 and \
-                            accelerator.distributed_type != DistributedType.DEEPSPEED:
-                        accelerator.clip_grad_norm_(wrapped.parameters(), cfg.optim.grad_clip)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                window.add(float(loss.detach()), m)
-            scheduler.step()
-            step += 1
-            if on_step is not None:
-                on_step(step)
-            if step % cfg.train.log_every == 0 or step == plan.total_steps:
-                res = window.reduce(accelerator)
-                elapsed = time.perf_counter() - t_last
-                tok_total = tokens * world
-                tps = tok_total / max(elapsed, 1e-9)
-                loss_value = res["loss"]
-                log.write({"event": "train", "step": step, "lr": scheduler.get_last_lr()[0],
-                           "tokens_per_s": tps, **res})
-                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tps:.0f}")
-                window, tokens, t_last = MetricSum(), 0, time.perf_counter()
-            bar.update(1)
-            if step % cfg.train.eval_every == 0 and step < plan.total_steps:
-                last_eval = evaluate(step)
-            flag = torch.tensor([0 if stop["signal"] is None else 1], device=accelerator.device)
-            if world > 1:
-                flag = accelerator.reduce(flag, reduction="sum")
-            if int(flag) > 0 and step < plan.total_steps:
-                stopped = checkpoint(step)
-                break
-            if step % cfg.train.checkpoint_every == 0 and step < plan.total_steps:
-                checkpoint(step)
-        bar.close()
+        try:  # an error mid-run must not print its one line onto the progress bar
+            while step < plan.total_steps:
+                for idx in plan.micro_batches(step, rank):
+                    batch = _to_device(train_fs.batch(idx), accelerator.device)
+                    tokens += int(batch["attention_mask"].sum())
+                    with accelerator.accumulate(wrapped):
+                        loss, m = wrapped(batch)
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients and cfg.optim.grad_clip > 0 and \
+                                accelerator.distributed_type != DistributedType.DEEPSPEED:
+                            accelerator.clip_grad_norm_(wrapped.parameters(), cfg.optim.grad_clip)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    window.add(float(loss.detach()), m)
+                scheduler.step()
+                step += 1
+                if on_step is not None:
+                    on_step(step)
+                if step % cfg.train.log_every == 0 or step == plan.total_steps:
+                    res = window.reduce(accelerator)
+                    elapsed = time.perf_counter() - t_last
+                    tok_total = tokens * world
+                    tps = tok_total / max(elapsed, 1e-9)
+                    loss_value = res["loss"]
+                    log.write({"event": "train", "step": step, "lr": scheduler.get_last_lr()[0],
+                               "tokens_per_s": tps, **res})
+                    bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tps:.0f}")
+                    window, tokens, t_last = MetricSum(), 0, time.perf_counter()
+                bar.update(1)
+                if step % cfg.train.eval_every == 0 and step < plan.total_steps:
+                    last_eval = evaluate(step)
+                flag = torch.tensor([0 if stop["signal"] is None else 1], device=accelerator.device)
+                if world > 1:
+                    flag = accelerator.reduce(flag, reduction="sum")
+                if int(flag) > 0 and step < plan.total_steps:
+                    stopped = checkpoint(step)
+                    break
+                if step % cfg.train.checkpoint_every == 0 and step < plan.total_steps:
+                    checkpoint(step)
+        finally:
+            bar.close()
         if stopped is not None:
             if main_proc:
                 print(f"stopped by signal; state saved to {stopped}", flush=True)
@@ -539,31 +762,28 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
 
 
 # ----------------------------------------------------------------------------------------------- CLI
+@cli_main
 def main(argv: list[str] | None = None, family: str | Sequence[str] | None = None) -> dict[str, Any]:
-    """Parse the common CLI (+ `--resume PATH|auto`), refuse another family's config, train."""
-    from data.readers import DataError
-    from data.store import StoreMismatchError
-    from data.target import TargetLoadError
+    """Parse the common CLI (+ `--resume PATH|auto`, `--trust-checkpoint`), refuse another family's config, train."""
 
     def extra(p: argparse.ArgumentParser) -> None:
         p.add_argument("--resume", default=None,
                        help="checkpoint folder to continue from, or `auto` (the newest in OUT/checkpoints, if any)")
+        p.add_argument("--trust-checkpoint", action="store_true",
+                       help="allow resuming a checkpoint that holds pickle files (DeepSpeed/FSDP runs, older runs); "
+                            "loading pickle can run code, so only for checkpoints you wrote yourself")
 
     cfg, args = parse_args("Train a drafter head (the shared loop).", argv, extra)
     allowed = (family,) if isinstance(family, str) else tuple(family or ())
     if allowed and cfg.head.family not in allowed:
-        print(f"error: {args.config or '<defaults>'}: head.family is '{cfg.head.family}' but this script trains "
-              f"{' / '.join(allowed)}", file=sys.stderr)
-        raise SystemExit(2)
-    try:
-        result = train(cfg, resume=args.resume)
-        # train.eval_at_end: one process (rank 0) evaluates the finished head with the exact decoder.
-        if cfg.train.eval_at_end and not result.get("stopped") and int(os.environ.get("RANK", "0")) == 0:
-            from eval.run import evaluate
+        raise TrainError(f"{args.config or '<defaults>'}: head.family is '{cfg.head.family}' but this script trains "
+                         f"{' / '.join(allowed)}")
+    result = train(cfg, resume=args.resume, trust_checkpoint=args.trust_checkpoint)
+    # train.eval_at_end: one process (rank 0) evaluates the finished head with the exact decoder.
+    if cfg.train.eval_at_end and not result.get("stopped") and not result.get("already_finished") \
+            and int(os.environ.get("RANK", "0")) == 0:
+        from eval.run import evaluate
 
-            result["report"] = evaluate(Path(result["out"]) / "head", cfg.eval, Path(result["out"]) / "eval",
-                                        cfg.target, seed=cfg.seed)
-        return result
-    except (ConfigError, DataError, TargetLoadError, StoreMismatchError, HeadMismatchError, TrainError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        result["report"] = evaluate(Path(result["out"]) / "head", cfg.eval, Path(result["out"]) / "eval",
+                                    cfg.target, seed=cfg.seed)
+    return result
