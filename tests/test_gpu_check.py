@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import runpy
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from procs import run
 
 ROOT = Path(__file__).resolve().parents[1]
 MISSING_ON_GPU_IMAGE = ("datasets", "wandb", "gguf", "deepspeed")
@@ -46,16 +46,8 @@ SECTIONS = {
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run([sys.executable, "-c", BOOTSTRAP, *args], timeout=timeout, cwd=ROOT,
+               env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_tiny_check_writes_every_key_without_the_missing_packages(tmp_path):
