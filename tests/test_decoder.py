@@ -393,6 +393,36 @@ def test_target_distribution_matches_transformers_warpers():
         target_distribution(logits, 0.0)
 
 
+def test_top_p_boundary_keeps_what_transformers_keeps():
+    """[.5, .25, .125, .125] at top_p 0.75: the first two tokens already reach 0.75, so transformers keeps 2
+    (a "mass strictly above" rule keeps 3); plain, speculative and regeneration sampling all use this one."""
+    from data.regenerate import RowSampler
+
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
+    want = torch.isfinite(TopPLogitsWarper(0.75)(None, logits.clone()))
+    got = target_distribution(logits, 1.0, top_p=0.75) > 0
+    assert got.tolist() == want.tolist() == [[True, True, False, False]]
+    torch.testing.assert_close(target_distribution(logits, 1.0, top_p=0.75), torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
+    picks = {int(RowSampler([s], 1.0, 0.75, torch.device("cpu"))(None, logits).argmax()) for s in range(40)}
+    assert picks == {0, 1}
+    # min-p (transformers' MinPLogitsWarper): keep tokens with p >= min_p * max p
+    assert (target_distribution(logits, 1.0, min_p=0.3) > 0).tolist() == [[True, True, False, False]]
+    assert target_distribution(logits[0], 1.0).shape == (4,)  # any leading shape, as before
+
+
+def test_sampling_draws_on_the_generators_device():
+    """A generator on one device draws for tensors on another (uniform on the generator's own device)."""
+    from data.sampling import sample_token
+
+    p = torch.tensor([0.0, 0.0, 1.0])
+    assert sample_token(p, torch.Generator().manual_seed(0)) == 2
+    if torch.cuda.is_available():
+        assert sample_token(p.cuda(), torch.Generator().manual_seed(0)) == 2
+        assert sample_token(p, torch.Generator("cuda").manual_seed(0)) == 2
+        tree = DraftTree.chain(torch.tensor([2], device="cuda"), p[None].cuda())
+        assert verify_tree(tree, torch.stack([p, p]).cuda(), 1.0, torch.Generator().manual_seed(0)) == ([0], 2)
+
+
 def test_bad_inputs_raise(target, prompt, reference):
     class BadParents(_Tracker):
         def draft(self, k, temperature):
