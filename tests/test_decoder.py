@@ -15,7 +15,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from data.config import TargetConfig
 from data.features import FeatureCapture
-from data.target import load_model
+from data.target import byte_tokenizer, load_model, tiny_config
 from eval.costs import (
     DraftCost,
     VerifyCost,
@@ -42,8 +42,14 @@ MAX_NEW = 40
 
 # ----------------------------------------------------------------------------------------------- helpers
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    return tiny_target[0]
+def target():
+    """The tiny Llama architecture (hidden 64, 4 layers, byte vocab 259) with a larger init (0.3, seed 1), so
+    that its greedy continuation of the prompt is varied: with the default init it repeats one token, and
+    then an off-by-one in the cache or a wrong EOS cut produces the same tokens and no test can see it."""
+    torch.manual_seed(1)
+    cfg = tiny_config("tiny-random-llama", len(byte_tokenizer()))
+    cfg.initializer_range = 0.3
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +65,17 @@ def prompt(tiny_target):
 @pytest.fixture(scope="module")
 def reference(target, prompt):
     """model.generate's greedy continuation (transformers' own loop, the ground truth)."""
-    out = target.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW)
-    return out[0, prompt.shape[1]:]
+    out = target.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW)[0, prompt.shape[1]:]
+    assert len(out) == MAX_NEW and len(set(out.tolist())) >= 10, f"the reference is not varied: {out.tolist()}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def eos_at(reference):
+    """(index, token): an end token chosen mid-continuation, its first occurrence at index >= 5."""
+    ref = reference.tolist()
+    i = next(i for i in range(5, len(ref) - 8) if ref[i] not in ref[:i])
+    return i, ref[i]
 
 
 class _Tracker:
@@ -226,14 +241,23 @@ def test_oracle_gives_k_plus_one_and_wrong_gives_one(target, prompt, reference):
     assert out.tolist() == ref.tolist() and st.tau == k + 1
 
 
-def test_eos_and_max_new_tokens_match_plain(target, prompt, reference):
-    eos = reference[5].item()  # pretend the 6th token is an end token
-    cut = reference.tolist().index(eos) + 1
-    for drafter in (NgramDrafter(), StaticTreeDrafter(reference)):
-        out, _ = speculative_generate(target, prompt, drafter, 5, MAX_NEW, eos_token_id=[eos, 10**6])
-        assert out.tolist() == reference[:cut].tolist()
+def test_eos_and_max_new_tokens_match_plain(target, prompt, reference, eos_at):
+    i, eos = eos_at  # an end token first produced mid-continuation (never the prefill token)
+    want = target.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=[eos, 10**6])
+    want = want[0, prompt.shape[1]:].tolist()
+    assert want == reference[:i + 1].tolist()
+    # The oracle's first chain (k = i + 3) holds the eos at depth i with accepted tokens after it: they must
+    # not be emitted. The other drafters meet the eos at whatever depth their passes reach.
+    for drafter, k in ((OracleDrafter(reference, right=True), i + 3), (NgramDrafter(), 5),
+                       (StaticTreeDrafter(reference), 5), (RandomTreeDrafter(reference, 1), 4)):
+        out, st = speculative_generate(target, prompt, drafter, k, MAX_NEW, eos_token_id=[eos, 10**6])
+        assert out.tolist() == want, type(drafter).__name__
+        assert st.new_tokens == len(want)
+    out, st = speculative_generate(target, prompt, OracleDrafter(reference, right=True), i + 3, MAX_NEW,
+                                   eos_token_id=eos)
+    assert st.target_passes == 1 and st.accepted_tokens == i + 3  # the eos really was inside an accepted draft
     plain, _ = plain_generate(target, prompt, MAX_NEW, eos_token_id=eos)
-    assert plain.tolist() == reference[:cut].tolist()
+    assert plain.tolist() == want
     for m in (1, 2, 7):
         out, _ = speculative_generate(target, prompt, OracleDrafter(reference, right=True), 5, m)
         assert out.tolist() == reference[:m].tolist()
