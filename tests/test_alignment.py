@@ -13,6 +13,9 @@ target's features instead of its own output fails here (see scripts/check_mutant
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
@@ -33,19 +36,25 @@ def _spread(head: torch.nn.Module, std: float, seed: int) -> None:
                 m.weight.copy_(torch.randn(m.weight.shape, generator=g) * std)
 
 
+@contextmanager
+def recording(module: torch.nn.Module, pick: Callable = lambda out: out.float()) -> Iterator[list[torch.Tensor]]:
+    """The outputs of every call of `module` inside the block (passed through `pick`), in call order."""
+    got: list[torch.Tensor] = []
+    handle = module.register_forward_hook(lambda mod, inp, out: got.append(pick(out)))
+    try:
+        yield got
+    finally:
+        handle.remove()
+
+
 # ----------------------------------------------------------------------------------------------- EAGLE-3
 def _eagle3_training(model, head, io, seq: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
     """(step-s logits [T, draft_vocab] of the training unroll for s < ttt_length, the loss metrics)."""
     feats, _ = forward_features(model, seq, None, head.layer_ids)
     batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": torch.ones_like(seq),
              "last": feats.last, "aux": feats.aux}
-    steps: list[torch.Tensor] = []
-    hook = head.lm_head.register_forward_hook(lambda mod, inp, out: steps.append(out[0].float()))
-    try:
-        with torch.no_grad():
-            _, metrics = eagle.loss(head, batch, io)
-    finally:
-        hook.remove()
+    with recording(head.lm_head, lambda out: out[0].float()) as steps, torch.no_grad():
+        _, metrics = eagle.loss(head, batch, io)
     return steps, metrics
 
 
@@ -59,16 +68,12 @@ def test_eagle3_ttt_steps_are_the_drafters_own_unroll_and_labels_sit_at_t_plus_1
     for n in range(3, T - STEPS):  # index t = n - 1: the drafter begins with n prompt tokens and x_n
         d = eagle.drafter(head, io)
         d.begin(ids[:, :n], forward_features(model, ids[:, :n], None, head.layer_ids)[0], int(ids[0, n]))
-        drafted: list[torch.Tensor] = []
-        hook = head.lm_head.register_forward_hook(lambda mod, inp, out: drafted.append(out.reshape(-1, out.shape[-1])[-1]))
-        try:
+        with recording(head.lm_head, lambda out: out.reshape(-1, out.shape[-1])[-1].float()) as drafted:
             tree = d.draft(STEPS, 0.0)  # greedy: step s reads the draft of step s-1, at position n-1+s
-        finally:
-            hook.remove()
         # The sequence continues with the drafts, so the training unroll reads the same tokens.
         seq = torch.cat([ids[0, : n + 1], tree.tokens])[None]
         steps, _ = _eagle3_training(model, head, io, seq)
-        inference = [d.last_logits] + [lg.float() for lg in drafted]
+        inference = [d.last_logits] + drafted
         assert len(steps) == STEPS
         for s in range(STEPS):
             torch.testing.assert_close(steps[s][n - 1], inference[s], atol=1e-4, rtol=1e-4,
@@ -102,24 +107,15 @@ def test_mtp_step_k_is_the_drafters_step_k_and_predicts_t_plus_1_plus_k(tiny_tar
         feats, _ = forward_features(model, seq)
         batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": torch.ones_like(seq),
                  "last": feats.last}
-        got: list[torch.Tensor] = []
-        hook = io.lm_head.register_forward_hook(lambda mod, inp, out: got.append(out.float()))
-        try:
-            with torch.no_grad():
-                _, metrics = mtp.loss(head, batch, io)
-        finally:
-            hook.remove()
+        with recording(io.lm_head) as got, torch.no_grad():
+            _, metrics = mtp.loss(head, batch, io)
         return got, metrics
 
     for n in range(3, T - STEPS):
         d = mtp.drafter(head, io)
         d.begin(ids[:, :n], forward_features(model, ids[:, :n])[0], int(ids[0, n]))
-        drafted: list[torch.Tensor] = []
-        hook = io.lm_head.register_forward_hook(lambda mod, inp, out: drafted.append(out.float()))
-        try:
+        with recording(io.lm_head) as drafted:
             tree = d.draft(STEPS, 0.0)
-        finally:
-            hook.remove()
         seq = torch.cat([ids[0, : n + 1], tree.tokens])[None]
         got, _ = training(seq)
         for k in range(1, STEPS + 1):
