@@ -1,0 +1,164 @@
+"""Speculative sampling is exact for every drafter, through the real decoder loop, at temperatures 0.7 and 1.3
+with top-k and top-p 0.9 applied to the target.
+
+Target: an in-process 4-layer Llama with a 12-token vocabulary, initialised flat enough that the processed
+sequence law of the first L new tokens spreads over many outcomes (exactly enumerable with `exact_law`).
+Drafters (each made close to the target, so drafts are often accepted AND often rejected, which is what
+gives a test power): EAGLE-3 chain and dynamic tree, Medusa (static top-k tree), MTP, a separate draft model
+(a perturbed copy of the target), self-speculative (the target's first layers), n-gram (on a prompt with
+repeats). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
+exact law by Pearson's chi-square (`drafters_common.chi_square`, cells with expected count < 5 pooled); the
+test fails when p < ALPHA = 0.01, so its false-alarm rate is <= 0.01.
+
+Power (see `drafters_common.chi_square_power`; estimated from the chi-square statistic of each biased
+sampler planted by scripts/check_mutants.py at these seeds, noncentral chi-square, level 0.01):
+POWER_TABLE below, filled by running this file's `python tests/test_sampling_drafters.py --power`.
+
+    .venv/bin/python -m pytest -q tests/test_sampling_drafters.py
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from drafters_common import chi_square, chi_square_power, chi_square_pvalue, exact_and_empirical
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import eval.decoder as decoder
+from data.target import target_io
+from eval.drafters import ModelDrafter, NgramDrafter, self_speculative_drafter
+from heads import eagle, medusa, mtp
+
+V, L, K, N = 12, 3, 2, 400
+TOP_K, TOP_P = 3, 0.9
+ALPHA = 0.01
+# Drafts sharper than the target (logits scaled): the draft is usually the target's likely token but q != p, so
+# passes both accept and reject often, and a wrong rejection rule shows (see the power table).
+SHARP = 4.0
+PROMPT = [1, 5, 3, 9, 1, 5, 3, 9, 1]
+DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram"]
+TEMPERATURES = [0.7, 1.3]
+
+
+def _noisy(module: torch.nn.Module, std: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return build_toy()
+
+
+def build_toy():
+    """(target, TargetIO, {name: make_drafter(seed)})."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.15, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # spread, but not so flat that a drafter sharing it can't be told apart
+    io = target_io(model, "toy")
+    h = cfg.hidden_size
+    with torch.no_grad():
+        # EAGLE-3 reading the input of layer 3 (fc picks that third of the aux features), a weak draft
+        # layer, and the target's final norm and lm_head: q is close to the target's p, but not equal.
+        e3 = eagle.build(eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=V, ttt_length=2), io).eval()
+        e3.fc.weight.zero_()
+        e3.fc.weight[:, 2 * h:] = torch.eye(h)
+        _noisy(e3.fc, 0.05, 1)
+        e3.midlayer.self_attn.o_proj.weight.mul_(5.0)
+        e3.norm.weight.copy_(model.model.norm.weight)
+        e3.lm_head.weight.copy_(SHARP * model.lm_head.weight)
+        # Medusa at init (identity blocks, the target's lm_head) with noise: q ~ p at the previous position.
+        med = medusa.build(medusa.MedusaConfig(num_heads=2, tree=[[0], [1], [2], [0, 0], [1, 0]]), io).eval()
+        _noisy(med, 0.05, 2)
+        for lm in med.lm_heads:
+            lm.weight.mul_(SHARP)
+        # MTP from the target's last layer, eh_proj reading mostly the hidden state.
+        mt = mtp.build(mtp.MTPConfig(num_modules=2), io).eval()
+        for m in mt.mtp:
+            m.eh_proj.weight.zero_()
+            m.eh_proj.weight[:, h:] = torch.eye(h)
+        _noisy(mt, 0.05, 3)
+        for m in mt.mtp:
+            m.norm.weight.mul_(SHARP)
+        draft_model = copy.deepcopy(model)
+        _noisy(draft_model, 0.05, 4)
+        draft_model.lm_head.weight.mul_(SHARP)
+
+    def gen(seed: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)
+
+    makers = {
+        "eagle_chain": lambda i: eagle.drafter(e3, io, generator=gen(10_000 + i)),
+        "eagle_tree": lambda i: eagle.drafter(e3, io, tree="dynamic", top_k=3, total_tokens=6),
+        "medusa": lambda i: medusa.drafter(med, io),
+        "mtp": lambda i: mtp.drafter(mt, io, generator=gen(10_000 + i)),
+        "draft_model": lambda i: ModelDrafter(draft_model, generator=gen(10_000 + i)),
+        "self_spec": lambda i: self_speculative_drafter(model, 2, generator=gen(10_000 + i)),
+        "ngram": lambda i: NgramDrafter(),
+    }
+    return model, io, makers
+
+
+def sample(toy, name: str, temperature: float, samples: int = N) -> tuple[float, int, dict, dict]:
+    """(chi-square statistic, df, exact law, counts) of `samples` speculative sequences."""
+    model, _, makers = toy
+    exact, counts = exact_and_empirical(model, PROMPT, makers[name], k=K, n_new=L, top_k=TOP_K, samples=samples,
+                                        temperature=temperature, top_p=TOP_P, max_new_tokens=L + 1)
+    stat, df = chi_square(exact, counts, samples)
+    return stat, df, exact, counts
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_speculative_sampling_is_exact(toy, name, temperature):
+    stat, df, exact, counts = sample(toy, name, temperature)
+    assert df >= 12  # the law really is spread: many cells with an expected count >= 5
+    pv = chi_square_pvalue(exact, counts, N)
+    assert pv > ALPHA, f"{name} at T={temperature}: chi-square {stat:.1f} on {df} df, p = {pv:.2e}"
+
+
+def _resample_from_p(p, q, token):
+    """Biased: after a rejection, sample the replacement from the unchanged target p."""
+    return p
+
+
+def _unzeroed_sibling(p, q, token):
+    """Biased (deterministic drafts: top-k tree siblings, n-gram): the rejected token keeps its mass."""
+    return p / p.sum() if q is None else _RESIDUAL(p, q, token)
+
+
+_RESIDUAL = decoder.residual_distribution
+BIASED = {"resample_from_p": _resample_from_p, "unzeroed_sibling": _unzeroed_sibling}
+DETERMINISTIC = {"eagle_tree", "medusa", "ngram"}  # drafts without i.i.d. q: the sibling rule applies
+
+
+def power_table() -> None:
+    """Print each test's statistic and the power of the same test against each biased sampler (minutes)."""
+    toy = build_toy()
+    print(f"{'drafter':12s} {'T':>4s} {'df':>3s} {'stat':>6s} " + " ".join(f"{b:>24s}" for b in BIASED))
+    for name in DRAFTERS:
+        for t in TEMPERATURES:
+            stat, df, _, _ = sample(toy, name, t)
+            cols = []
+            for b, fn in BIASED.items():
+                if b == "unzeroed_sibling" and name not in DETERMINISTIC:
+                    cols.append(f"{'n/a':>24s}")
+                    continue
+                decoder.residual_distribution = fn
+                try:
+                    bstat, _, _, _ = sample(toy, name, t)
+                finally:
+                    decoder.residual_distribution = _RESIDUAL
+                cols.append(f"{bstat:8.1f} power {chi_square_power(bstat, df, ALPHA):.3f}")
+            print(f"{name:12s} {t:4.1f} {df:3d} {stat:6.1f} " + " ".join(cols), flush=True)
+
+
+if __name__ == "__main__":
+    power_table()
