@@ -10,9 +10,32 @@ repeats). Each (drafter, temperature) draws N sequences with fixed seeds and com
 exact law by Pearson's chi-square (`drafters_common.chi_square`, cells with expected count < 5 pooled); the
 test fails when p < ALPHA = 0.01, so its false-alarm rate is <= 0.01.
 
-Power (see `drafters_common.chi_square_power`; estimated from the chi-square statistic of each biased
-sampler planted by scripts/check_mutants.py at these seeds, noncentral chi-square, level 0.01):
-POWER_TABLE below, filled by running this file's `python tests/test_sampling_drafters.py --power`.
+Power at false-alarm rate 0.01, against the two classic biased rejection rules (resample the replacement
+from plain p; leave a rejected deterministic sibling's mass in the residual, which only exists for drafts
+without an i.i.d. q), computed by `power_table()` (`python tests/test_sampling_drafters.py`, a few minutes):
+each biased sampler is run at these seeds and N, its chi-square statistic gives the plug-in noncentrality
+lambda = stat - df, and the power P(noncentral chi-square(df, lambda) > critical value) is simulated
+(`drafters_common.chi_square_power`). Measured (N = 400 per row):
+
+    drafter       T    df  stat | resample-from-p: stat, power | unzeroed sibling: stat, power
+    eagle_chain   0.7  23  18.0 | 207.9  1.000                 | n/a
+    eagle_chain   1.3  26  19.6 | 164.3  1.000                 | n/a
+    eagle_tree    0.7  23  39.1 | 146.7  1.000                 | 146.7  1.000
+    eagle_tree    1.3  26  32.5 | 147.6  1.000                 | 147.6  1.000
+    medusa        0.7  23  26.7 | 119.5  1.000                 | 119.5  1.000
+    medusa        1.3  26  23.2 | 115.1  1.000                 | 115.1  1.000
+    mtp           0.7  23  25.9 | 180.2  1.000                 | n/a
+    mtp           1.3  26  20.6 | 167.8  1.000                 | n/a
+    draft_model   0.7  23  30.8 | 256.8  1.000                 | n/a
+    draft_model   1.3  26  22.0 | 225.6  1.000                 | n/a
+    self_spec     0.7  23  13.9 | 126.9  1.000                 | n/a
+    self_spec     1.3  26  20.4 |  81.7  0.993                 | n/a
+    ngram         0.7  23  28.4 |  92.7  1.000                 | 92.7  1.000
+    ngram         1.3  26  32.2 |  97.8  1.000                 | 97.8  1.000
+
+(With only deterministic drafts the two biased rules coincide.) A drafter reporting a q that is not the law
+it sampled from (softmax(l) for a draw from softmax(l / T)) and verify rows built without top-p are planted by
+scripts/check_mutants.py and fail here as well.
 
     .venv/bin/python -m pytest -q tests/test_sampling_drafters.py
 """
@@ -27,11 +50,13 @@ from drafters_common import chi_square, chi_square_power, chi_square_pvalue, exa
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import eval.decoder as decoder
+from data.features import forward_features
 from data.target import target_io
 from eval.drafters import ModelDrafter, NgramDrafter, self_speculative_drafter
 from heads import eagle, medusa, mtp
 
 V, L, K, N = 12, 3, 2, 400
+Q_DRAWS, SUPPORT_DRAWS = 1000, 100
 TOP_K, TOP_P = 3, 0.9
 ALPHA = 0.01
 # Drafts sharper than the target (logits scaled): the draft is usually the target's likely token but q != p, so
@@ -122,6 +147,47 @@ def test_speculative_sampling_is_exact(toy, name, temperature):
     assert df >= 12  # the law really is spread: many cells with an expected count >= 5
     pv = chi_square_pvalue(exact, counts, N)
     assert pv > ALPHA, f"{name} at T={temperature}: chi-square {stat:.1f} on {df} df, p = {pv:.2e}"
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("name", ["eagle_chain", "mtp", "draft_model", "self_spec"])
+def test_drafted_tokens_follow_the_reported_q(toy, name, temperature):
+    """A chain drafter's first token is drawn from exactly the q it hands the verifier (min(1, p/q) needs it).
+
+    From one fixed state (begin), Q_DRAWS first tokens are drawn and compared with the reported q by
+    chi-square at level ALPHA. Reporting softmax(l) for a draw from softmax(l / T) gives a statistic in the
+    hundreds here; through the whole loop the same bias is diluted and needs thousands of sequences.
+    """
+    model, _, makers = toy
+    prompt = torch.tensor([PROMPT])
+    d = makers[name](0)
+    feats = None
+    if d.capture_layers is not None:
+        feats, _ = forward_features(model, prompt, None, d.capture_layers)
+    counts: dict[int, int] = {}
+    q = None
+    for _ in range(Q_DRAWS):
+        d.begin(prompt, feats, 1)
+        tree = d.draft(1, temperature)
+        q = tree.probs[0] if q is None else q
+        torch.testing.assert_close(tree.probs[0], q)  # the same state reports the same q every time
+        tok = int(tree.tokens[0])
+        counts[tok] = counts.get(tok, 0) + 1
+    law = {t: float(q[t]) for t in range(V) if q[t] > 0}
+    pv = chi_square_pvalue(law, counts, Q_DRAWS)
+    assert pv > ALPHA, f"{name} at T={temperature}: drafted tokens do not follow the reported q (p = {pv:.2e})"
+
+
+@pytest.mark.parametrize("name", ["ngram", "eagle_chain"])
+def test_verified_tokens_stay_inside_top_p(toy, name):
+    """Top-p alone (no top-k) at T 1.3 leaves the lowest ~10% of mass out: no speculative sequence may contain
+    a token plain sampling can never produce (the verify rows are processed like plain sampling's)."""
+    model, _, makers = toy
+    exact, counts = exact_and_empirical(model, PROMPT, makers[name], k=K, n_new=L, top_k=0, samples=SUPPORT_DRAWS,
+                                        temperature=1.3, top_p=TOP_P, max_new_tokens=L + 1)
+    assert len(exact) < V**L  # top-p really removed outcomes
+    outside = [c for c in counts if c not in exact]
+    assert not outside, f"{name}: sequences outside the top-p support: {outside}"
 
 
 def _resample_from_p(p, q, token):
