@@ -1,6 +1,7 @@
-"""Shared helpers for the drafter tests: feature batches, one-batch overfitting, exact law of plain sampling vs speculative counts.
+"""Shared helpers for the drafter tests: feature batches, one-batch overfitting, model.generate's greedy
+reference, the exact law of plain sampling vs speculative counts, chi-square and its power.
 
-Imported by tests/test_medusa.py and tests/test_mtp.py (not a test module itself).
+Imported by the drafter, decoder-loop and exactness test modules (not a test module itself).
 """
 
 from __future__ import annotations
@@ -92,6 +93,17 @@ def chi_square_power(stat: float, df: int, alpha: float, draws: int = 200_000, s
         j = torch.poisson(torch.full((draws,), max(stat - df, 0.0) / 2, dtype=torch.float64))
         x = 2 * torch.distributions.Gamma(df / 2 + j, torch.ones_like(j)).sample()
     return float((x > crit).double().mean())
+
+
+def hf_greedy(model, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, object]:
+    """(model.generate's greedy continuation of ids [1, T], up to n tokens; the eos id(s) it stops at).
+
+    transformers' own loop is the ground truth of identity tests (our plain loop is checked against it too);
+    pass the eos to speculative_generate so both stop at the same token.
+    """
+    eos = model.generation_config.eos_token_id
+    out = model.generate(ids, do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return out[0, ids.shape[1]:], eos
 
 
 def make_batch(model, seqs: list[list[int]], prompt_len: int = 4) -> dict[str, torch.Tensor]:
