@@ -42,6 +42,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from data.cli import cli_main, write_atomic
 from data.config import RegenerateConfig, RunConfig, save_config, to_dict
 from data.readers import DataError, Record, read_records, to_sharegpt
+from data.sampling import target_distribution
 
 
 @dataclass
@@ -103,13 +104,8 @@ class RowSampler(LogitsProcessor):
         self.top_p = top_p
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        if self.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # keep the smallest head of the sorted distribution whose mass reaches top_p: a token is dropped
-            # when the mass BEFORE it already reaches top_p (so the most likely token is always kept)
-            sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= self.top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        # transformers' own temperature / top-p warpers (data.sampling), as model.generate would sample
+        probs = target_distribution(scores, self.temperature, top_p=self.top_p)
         picks = torch.stack([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)])
         out = torch.full_like(scores, float("-inf"))
         return out.scatter(1, picks, 0.0)

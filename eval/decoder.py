@@ -28,8 +28,9 @@ Verification rules (all exact: the output is distributed as plain sampling from 
   i.i.d. children         (probs given, sampling "iid"; chains of sampled drafts, SpecInfer trees) accept
                           child x with min(1, p(x)/q(x)); on rejection p <- normalize(max(p - q, 0)).
 Both rejection updates go through `residual_distribution`, so a test can swap in a biased variant.
-Temperature, top-k and top-p shape the TARGET distribution (`target_distribution`) exactly as in
-`plain_generate`, the reference sampler.
+Temperature, top-k and top-p shape the TARGET distribution (`target_distribution`, data.sampling: transformers'
+own warpers) exactly as in `plain_generate` and `model.generate`. Every draw takes its uniform on the
+generator's own device (`data.sampling.uniform`), so a CPU generator works for CUDA logits and vice versa.
 
 KV cache (`cache=`): "dynamic" is transformers' DynamicCache; "static" preallocates every layer and, on CUDA,
 replays each verify size as a captured CUDA graph (eval.kvcache, which also owns the rollback). Both give the
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from data.sampling import sample_token, target_distribution, uniform
 from eval.kvcache import KVCache, new_kv
 from heads.base import Drafter, DraftTree
 from heads.tree import check_parents, is_chain, tree_depth
@@ -149,42 +151,6 @@ class GenerationStats:
 
 
 # ----------------------------------------------------------------------------------------------- sampling
-def target_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Softmax of logits [..., V] after temperature, then top-k, then top-p (transformers' order and rules).
-
-    top_k 0 = off; top_p keeps the smallest set of most likely tokens whose mass reaches top_p (at least one).
-    """
-    if temperature <= 0:
-        raise ValueError(f"target_distribution: temperature must be > 0 (got {temperature}); greedy uses argmax")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"target_distribution: top_p must be in (0, 1], got {top_p}")
-    x = logits.float() / temperature
-    if 0 < top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sp = torch.softmax(sorted_x, dim=-1)
-        # Drop a token when the tokens ranked strictly above it already hold more than top_p of the mass.
-        drop = (torch.cumsum(sp, dim=-1) - sp) > top_p
-        drop[..., 0] = False
-        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.softmax(x, dim=-1)
-
-
-def sample_token(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One draw from p [V] (non-negative, any positive sum) by inverting its CDF with a single uniform.
-
-    Same distribution as torch.multinomial(p, 1), at a fraction of its per-call cost on a CPU. Zero-probability
-    tokens are never returned: searchsorted(right=True) skips flat steps of the cumulative sum.
-    """
-    c = torch.cumsum(p, dim=0)
-    u = torch.rand((), generator=generator, device=p.device, dtype=c.dtype) * c[-1]
-    i = int(torch.searchsorted(c, u, right=True))
-    # u < c[-1] in exact arithmetic; rounding can land on it, so fall back to the last possible token.
-    return i if i < c.numel() else int(torch.nonzero(p)[-1])
-
-
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                 generator: torch.Generator | None) -> int:
     """The token following a distribution row [V]: argmax when greedy, else a processed sample."""
@@ -243,7 +209,7 @@ def verify_tree(
             x = tokens[c]
             q = None if deterministic else tree.probs[c]
             # Accept with min(1, p(x)/q(x)); u*q(x) < p(x) avoids dividing (q one-hot: q(x) = 1).
-            u = float(torch.rand((), generator=generator, device=p.device))
+            u = uniform(generator, p.device)
             if u * (1.0 if q is None else float(q[x])) < float(p[x]):
                 accepted.append(c)
                 row = c + 1

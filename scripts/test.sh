@@ -3,7 +3,8 @@
 #   ./scripts/test.sh                 # default suite (no GPU, no hub; a few minutes on 2 cores)
 #   ./scripts/test.sh -m slow         # extra arguments go to pytest (here: the real-model and long tests)
 #   ./scripts/test.sh -m slurm        # the real SLURM scheduler test (root; installs slurm-wlm + munge)
-# Under CI (CI=true, as root, with apt) two more stages run after the default suite:
+# Under CI (CI=true) more stages run after the default suite: the quick mutation check
+# (scripts/check_mutants.py --quick: planted bugs must fail the tests), and, as root with apt:
 #  - DeepSpeed ZeRO-2/3 on CPU (tests/test_distributed.py -m slow): installs the `deepspeed` extra (needs a
 #    C++ compiler: DeepSpeed compiles its CPU comm extension on first use, 1-5 minutes);
 #  - the real single-node SLURM test: installs Debian's slurm-wlm and munge if missing, then starts, uses
@@ -20,11 +21,14 @@ need_slurm() {
 
 if [ "${1:-}" = "-m" ] && [ "${2:-}" = "slurm" ]; then
   need_slurm
-  exec .venv/bin/python -m pytest -q -m slurm tests/test_slurm.py
+  # the scheduler test waits for a whole job (up to 900 s): above the default per-test timeout
+  exec .venv/bin/python -m pytest -q --timeout=1800 -m slurm tests/test_slurm.py
 fi
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"
 if [ "${CI:-}" = "true" ] && [ "$#" -eq 0 ]; then
+  echo "== CI: mutation check, quick list (scripts/check_mutants.py --quick)"
+  OMP_NUM_THREADS=1 .venv/bin/python scripts/check_mutants.py --quick
   echo "== CI: DeepSpeed ZeRO-2/3 on CPU against DDP (tests/test_distributed.py -m slow)"
   ./scripts/setup_env.sh dev,deepspeed
   .venv/bin/python -m pytest -q -m "slow and distributed" tests/test_distributed.py
@@ -32,5 +36,5 @@ fi
 if [ "${CI:-}" = "true" ] && [ "$#" -eq 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   echo "== CI: real single-node SLURM scheduler test (tests/test_slurm.py)"
   need_slurm
-  .venv/bin/python -m pytest -q -m slurm tests/test_slurm.py
+  .venv/bin/python -m pytest -q --timeout=1800 -m slurm tests/test_slurm.py
 fi

@@ -216,7 +216,9 @@ def test_dynamic_tree_is_topological_and_ancestor_closed(tiny_target):
 
 @pytest.mark.parametrize("tree", ["chain", "dynamic"])
 def test_greedy_speculative_output_equals_plain_decoding(tiny_target, tree):
-    from eval.decoder import plain_generate, speculative_generate
+    from drafters_common import hf_greedy
+
+    from eval.decoder import speculative_generate
 
     model, _, io = tiny_target
     for family in ("eagle1", "eagle3"):
@@ -225,9 +227,9 @@ def test_greedy_speculative_output_equals_plain_decoding(tiny_target, tree):
             layer_ids=[1, 2, 3], draft_vocab_size=200, ttt_length=2)
         head = eagle.build(cfg, io)
         prompt = torch.randint(0, io.vocab_size, (1, 10))
-        ref, _ = plain_generate(model, prompt, max_new_tokens=20)
+        ref, eos = hf_greedy(model, prompt, 20)
         d = eagle.drafter(head, io, tree=tree, top_k=3, total_tokens=8)
-        out, stats = speculative_generate(model, prompt, d, k=3, max_new_tokens=20)
+        out, stats = speculative_generate(model, prompt, d, k=3, max_new_tokens=20, eos_token_id=eos)
         assert out.tolist() == ref.tolist(), family
         assert stats.tau >= 1.0
 

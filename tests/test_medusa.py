@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from drafters_common import assert_sampling_exact, make_batch, overfit
+from drafters_common import assert_sampling_exact, hf_greedy, make_batch, overfit
 from procs import run as run_proc
 
 from data.config import TargetConfig
@@ -94,14 +94,15 @@ def test_greedy_decoding_is_identical(tiny_target, trained) -> None:
     model, _, io = tiny_target
     head, prompt = trained
     ids = torch.tensor([prompt])
-    ref, _ = plain_generate(model, ids, max_new_tokens=40)
-    out, stats = speculative_generate(model, ids, medusa.drafter(head, io), k=3, max_new_tokens=40)
+    ref, eos = hf_greedy(model, ids, 40)
+    out, stats = speculative_generate(model, ids, medusa.drafter(head, io), k=3, max_new_tokens=40, eos_token_id=eos)
     assert out.tolist() == ref.tolist()
     assert stats.tau > 1.5  # the heads learnt this continuation: accepted drafts exercised the rollback
     # Another prompt (drafts mostly rejected) and the default tree: still identical.
     other = torch.tensor([prompt[::-1]])
-    ref, _ = plain_generate(model, other, max_new_tokens=24)
-    out, _ = speculative_generate(model, other, medusa.drafter(head, io, tree=None), k=2, max_new_tokens=24)
+    ref, eos = hf_greedy(model, other, 24)
+    out, _ = speculative_generate(model, other, medusa.drafter(head, io, tree=None), k=2, max_new_tokens=24,
+                                  eos_token_id=eos)
     assert out.tolist() == ref.tolist()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from drafters_common import assert_sampling_exact, make_batch, overfit
+from drafters_common import assert_sampling_exact, hf_greedy, make_batch, overfit
 from procs import run as run_proc
 
 from data.config import TargetConfig
@@ -147,8 +147,8 @@ def test_greedy_decoding_is_identical(tiny_target, trained) -> None:
     model, _, io = tiny_target
     head, prompt = trained
     for ids, n in ((torch.tensor([prompt]), 32), (torch.tensor([prompt[::-1]]), 20)):
-        ref, _ = plain_generate(model, ids, max_new_tokens=n)
-        out, stats = speculative_generate(model, ids, mtp.drafter(head, io), k=2, max_new_tokens=n)
+        ref, eos = hf_greedy(model, ids, n)
+        out, stats = speculative_generate(model, ids, mtp.drafter(head, io), k=2, max_new_tokens=n, eos_token_id=eos)
         assert out.tolist() == ref.tolist()
         if n == 32:
             assert stats.tau > 1.5  # learnt continuation: accepted drafts exercised the rollback

@@ -1,0 +1,85 @@
+"""The one sampler of the project: transformers' own logits processors, then a single-uniform draw.
+
+Plain decoding (`eval.decoder.plain_generate`), speculative verification (`eval.decoder.speculative_generate`)
+and response regeneration (`data.regenerate`) all shape the target's distribution with `target_distribution`,
+which runs the SAME warpers `model.generate(do_sample=True, ...)` builds, in its order (temperature, top-k,
+top-p, min-p), so "exact" means exact against `model.generate`, not against a private re-implementation.
+
+    from data.sampling import target_distribution, sample_token
+    p = target_distribution(logits, temperature=0.7, top_k=50, top_p=0.9)   # [..., V], rows sum to 1
+    tok = sample_token(p[-1], generator)
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+__all__ = ["sample_token", "target_distribution", "uniform", "warpers"]
+
+
+def warpers(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> LogitsProcessorList:
+    """transformers' sampling warpers for these settings, in `model.generate`'s order (the no-op ones left out).
+
+    top_k 0, top_p 1 and min_p 0 are off. Raises ValueError on a temperature <= 0 (greedy is an argmax, not
+    a distribution) or a top_p / min_p outside its range.
+    """
+    if temperature <= 0:
+        raise ValueError(f"target_distribution: temperature must be > 0 (got {temperature}); greedy uses argmax")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"target_distribution: top_p must be in (0, 1], got {top_p}")
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"target_distribution: min_p must be in [0, 1], got {min_p}")
+    procs = LogitsProcessorList()
+    if temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    if min_p > 0.0:
+        procs.append(MinPLogitsWarper(min_p))
+    return procs
+
+
+def target_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                        min_p: float = 0.0) -> torch.Tensor:
+    """softmax(warpers(logits)) over the last dim of logits [..., V], in float32, as `model.generate` samples.
+
+    Example: probabilities [.5, .25, .125, .125] with top_p 0.75 keep the first two tokens ([2/3, 1/3, 0, 0]):
+    TopPLogitsWarper drops a token when the mass of the tokens ranked BELOW it (it included) is <= 1 - top_p.
+    """
+    procs = warpers(temperature, top_k, top_p, min_p)
+    # generate warps float32 scores of shape [batch, V]; the warpers scatter along dim 1.
+    x = logits.float().reshape(-1, logits.shape[-1])
+    x = procs(None, x) if len(procs) else x
+    return torch.softmax(x, dim=-1).reshape(logits.shape)
+
+
+def uniform(generator: torch.Generator | None, device: torch.device | str) -> float:
+    """One U[0, 1) draw from `generator` on the generator's own device (or `device` without one).
+
+    Generators live on a device: a CPU generator cannot draw a CUDA tensor and vice versa, so the draw happens
+    where the generator is and only the Python float comes back.
+    """
+    where = generator.device if generator is not None else device
+    return float(torch.rand((), generator=generator, device=where))
+
+
+def sample_token(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One draw from p [V] (non-negative, any positive sum) by inverting its CDF with a single uniform.
+
+    Same distribution as torch.multinomial(p, 1), at a fraction of its per-call cost on a CPU. Zero-probability
+    tokens are never returned: searchsorted(right=True) skips flat steps of the cumulative sum.
+    """
+    c = torch.cumsum(p, dim=0)
+    u = torch.tensor(uniform(generator, p.device), dtype=c.dtype, device=c.device) * c[-1]
+    i = int(torch.searchsorted(c, u, right=True))
+    # u < c[-1] in exact arithmetic; rounding can land on it, so fall back to the last possible token.
+    return i if i < c.numel() else int(torch.nonzero(p)[-1])

@@ -1,0 +1,228 @@
+"""Mutation check: plant each listed small bug, run the tests meant to catch it, revert, report caught/missed.
+
+    .venv/bin/python scripts/check_mutants.py            # every mutant (about 15 minutes on 2 cores)
+    .venv/bin/python scripts/check_mutants.py --quick    # a handful (a few minutes; CI runs this)
+    .venv/bin/python scripts/check_mutants.py --only eos_after_accepted,crop_one_too_many
+    .venv/bin/python scripts/check_mutants.py --list
+
+Each mutant replaces one exact snippet of one source file (the snippet must occur exactly once, so a mutant
+that no longer applies after a refactor is reported as an error instead of silently testing nothing), runs
+pytest on its tests in a fresh process group (killed whole on timeout; a hang counts as caught, since the
+suite's per-test timeout would fail it too), and restores the file's original bytes in a `finally`, so
+Ctrl-C or an exception never leaves a planted bug behind. First the same tests run unmutated (the baseline):
+a failing baseline would make every mutant look caught. Exit status: 0 when every mutant was caught, 1 when
+one survived or did not apply, 2 on a bad command line. Adding a mutant: see README "Mutation check".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # exact snippet, must occur once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest node ids / -k expressions (as pytest arguments)
+    quick: bool = False  # part of --quick (CI)
+
+
+MUTANTS: list[Mutant] = [
+    # --- the rows of issue 14's table
+    Mutant("ttt_labels_at_t_plus_s", "heads/eagle.py",
+           "p_s, in_s, arg_s = shift_left(p, 1 + s), shift_left(in_vocab, 1 + s), shift_left(t_arg, 1 + s)",
+           "p_s, in_s, arg_s = shift_left(p, s), shift_left(in_vocab, s), shift_left(t_arg, s)",
+           ("tests/test_alignment.py",), quick=True),
+    Mutant("ttt_rope_not_advanced", "heads/eagle.py",
+           "cos, sin = rotary(target, hidden, _positions(b, t, s, ids.device))",
+           "cos, sin = rotary(target, hidden, _positions(b, t, 0, ids.device))",
+           ("tests/test_alignment.py",)),
+    Mutant("eagle_chain_reports_untempered_q", "heads/eagle.py",
+           "return int(torch.multinomial(q.cpu(), 1, generator=self.generator)), q",
+           "return int(torch.multinomial(q.cpu(), 1, generator=self.generator)), torch.softmax(logits, dim=-1)",
+           ("tests/test_sampling_drafters.py", "-k", "reported_q and eagle_chain"), quick=True),
+    Mutant("draft_model_reports_untempered_q", "eval/drafters.py",
+           "                probs.append(q)",
+           "                probs.append(torch.softmax(logits.float(), dim=-1))",
+           ("tests/test_sampling_drafters.py", "-k", "reported_q and (draft_model or self_spec)")),
+    Mutant("verify_rows_without_top_p", "eval/decoder.py",
+           "target_distribution(logits[0], temperature, top_k, top_p)",
+           "target_distribution(logits[0], temperature, top_k)",
+           ("tests/test_sampling_drafters.py", "-k", "top_p")),
+    Mutant("tokens_after_eos_in_accepted_draft", "eval/decoder.py",
+           "            return tokens[: i + 1], True",
+           "            return tokens, True",
+           ("tests/test_decoder.py", "-k", "eos"), quick=True),
+    Mutant("target_cache_crop_one_too_many", "eval/kvcache.py",
+           "        cache.crop(-(n_new - len(keep)))",
+           "        cache.crop(-(n_new - len(keep) + 1))",
+           ("tests/test_decoder.py", "-k", "identical")),
+    Mutant("target_cache_crop_one_too_few", "eval/kvcache.py",
+           "    if n_new > len(keep):\n        cache.crop(-(n_new - len(keep)))",
+           "    if n_new > len(keep) + 1:\n        cache.crop(-(n_new - len(keep) - 1))",
+           ("tests/test_decoder.py", "-k", "identical"), quick=True),
+    Mutant("rejected_sibling_not_zeroed", "eval/decoder.py",
+           "        r[token] = 0.0",
+           "        r[token] = r[token]",
+           ("tests/test_sampling_drafters.py", "-k", "eagle_tree or medusa"), quick=True),
+    Mutant("bonus_dropped_when_nothing_drafted", "eval/decoder.py",
+           "[draft_tokens[a] for a in accepted] + [nxt], eos)",
+           "[draft_tokens[a] for a in accepted] + ([nxt] if n else []), eos)",
+           ("tests/test_decoder.py", "-k", "ngram_drafter or every_drafter", "--timeout=20")),
+    # --- more of the same kind
+    Mutant("resample_from_p_after_rejection", "eval/decoder.py",
+           "    return r / s if s > 0 else p",
+           "    return p",
+           ("tests/test_sampling_drafters.py", "-k", "mtp")),
+    Mutant("accept_ignoring_q", "eval/decoder.py",
+           "if u * (1.0 if q is None else float(q[x])) < float(p[x]):",
+           "if u < float(p[x]):",
+           ("tests/test_sampling_drafters.py", "-k", "draft_model")),
+    Mutant("mtp_reports_untempered_q", "heads/mtp.py",
+           "                probs.append(q)",
+           "                probs.append(torch.softmax(logits, dim=-1))",
+           ("tests/test_sampling_drafters.py", "-k", "reported_q and mtp")),
+    Mutant("top_p_keeps_boundary_token", "data/sampling.py",
+           "        procs.append(TopPLogitsWarper(top_p))",
+           "        procs.append(TopPLogitsWarper(min(1.0, top_p + 1e-3)))",
+           ("tests/test_decoder.py", "-k", "top_p")),
+    Mutant("regeneration_ignores_top_p", "data/regenerate.py",
+           "target_distribution(scores, self.temperature, top_p=self.top_p)",
+           "target_distribution(scores, self.temperature)",
+           ("tests/test_regenerate.py", "-k", "top_p")),
+    Mutant("tree_rows_see_siblings", "eval/kvcache.py",
+           "        allowed[:, past:] = anc.to(self.device)",
+           "        allowed[:, past:] = anc.to(self.device) | True",
+           ("tests/test_decoder.py", "-k", "trees")),
+    Mutant("static_cache_keeps_tree_rows_ungathered", "eval/kvcache.py",
+           "        _gather(self.cache.layers, self.length, rows)",
+           "        pass",
+           ("tests/test_decoder.py", "-k", "static and trees")),
+    Mutant("ttt_reads_features_not_own_output", "heads/eagle.py",
+           "        hidden = o  # the next step reads this step's PRE-norm output",
+           "        hidden = hidden",
+           ("tests/test_alignment.py",)),
+    Mutant("medusa_head_offset_t_plus_1_plus_i", "heads/medusa.py",
+           "shifted = [shift_targets(ids, valid, 2 + i) for i in range(cfg.num_heads)]",
+           "shifted = [shift_targets(ids, valid, 1 + i) for i in range(cfg.num_heads)]",
+           ("tests/test_alignment.py",)),
+    Mutant("mtp_label_offset_t_plus_k", "heads/mtp.py",
+           "labels, m = shift_targets(ids, valid, 1 + k)",
+           "labels, m = shift_targets(ids, valid, k)",
+           ("tests/test_alignment.py",)),
+]
+
+
+def run_pytest(args: tuple[str, ...], timeout: float) -> tuple[str, float]:
+    """Run pytest on `args` in its own process group: ('pass' | 'fail' | 'timeout' | 'error', seconds)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "timeout", time.perf_counter() - t0
+    except BaseException:  # Ctrl-C: the child group must not outlive us (the caller restores the file)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    dt = time.perf_counter() - t0
+    # pytest: 0 all passed, 1 some failed; 2-5 mean interrupted / internal / usage error / nothing collected.
+    if proc.returncode == 0:
+        return "pass", dt
+    if proc.returncode == 1:
+        return "fail", dt
+    tail = out.decode(errors="replace").strip().splitlines()[-3:]
+    print(f"  pytest exit {proc.returncode}: {' | '.join(tail)}", file=sys.stderr)
+    return "error", dt
+
+
+def baseline_runs(mutants: list[Mutant]) -> list[tuple[str, ...]]:
+    """One pytest run per test file covering what the mutants select there: the whole file if one of them
+    takes it whole, else its -k expressions or-ed together."""
+    by_file: dict[str, set[str] | None] = {}
+    for m in mutants:
+        path = m.tests[0]
+        k = m.tests[m.tests.index("-k") + 1] if "-k" in m.tests else None
+        if k is None or by_file.get(path, set()) is None:
+            by_file[path] = None
+        else:
+            by_file.setdefault(path, set()).add(k)
+    return [(path,) if ks is None else (path, "-k", " or ".join(f"({k})" for k in sorted(ks)))
+            for path, ks in sorted(by_file.items())]
+
+
+def check(m: Mutant, timeout: float) -> tuple[str, float]:
+    """Plant `m`, run its tests, restore the file: ('caught' | 'MISSED' | 'ERROR: ...', seconds)."""
+    path = ROOT / m.path
+    original = path.read_bytes()
+    text = original.decode()
+    n = text.count(m.old)
+    if n != 1:
+        return f"ERROR: snippet found {n} times in {m.path}", 0.0
+    try:
+        path.write_text(text.replace(m.old, m.new))
+        outcome, dt = run_pytest(m.tests, timeout)
+    finally:
+        path.write_bytes(original)
+    return {"fail": "caught", "timeout": "caught", "pass": "MISSED"}.get(outcome, "ERROR: tests did not run"), dt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="only the mutants marked quick (CI)")
+    ap.add_argument("--only", default="", help="comma-separated mutant names")
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per pytest run (default 300)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the same tests")
+    a = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if m.quick] if a.quick else list(MUTANTS)
+    if a.only:
+        names = {m.name for m in MUTANTS}
+        wanted = [w for w in a.only.split(",") if w]
+        unknown = [w for w in wanted if w not in names]
+        if unknown:
+            print(f"error: --only: unknown mutant(s) {', '.join(unknown)} (see --list)", file=sys.stderr)
+            return 2
+        chosen = [m for m in MUTANTS if m.name in wanted]
+    if a.list:
+        for m in chosen:
+            print(f"{m.name:38s} {m.path:20s} {' '.join(m.tests)}{'  [quick]' if m.quick else ''}")
+        return 0
+    if not a.no_baseline:
+        for args in baseline_runs(chosen):
+            outcome, dt = run_pytest(args, a.timeout * 2)
+            print(f"baseline (unmutated) {' '.join(args)}: {outcome} ({dt:.0f} s)", flush=True)
+            if outcome != "pass":
+                print("error: the unmutated tests do not pass; fix them before judging mutants", file=sys.stderr)
+                return 1
+    rows = []
+    for m in chosen:
+        status, dt = check(m, a.timeout)
+        rows.append((m, status, dt))
+        print(f"  {m.name}: {status} ({dt:.0f} s)", flush=True)
+    print(f"\n{'mutant':38s} {'file':20s} {'result':8s} {'s':>5s}  tests")
+    for m, status, dt in rows:
+        print(f"{m.name:38s} {m.path:20s} {status:8s} {dt:5.0f}  {' '.join(m.tests)}")
+    bad = [m.name for m, status, _ in rows if status != "caught"]
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} caught" + (f"; not caught: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Training/inference alignment oracles: what a head is trained on at step s is what it computes when drafting.
+
+EAGLE-3 training-time test (TTT): for every index t of a sequence and every unrolled step s, the training
+unroll's step-s logits must equal (allclose) the logits the drafter computes by its own inference path, run
+s times (the head consuming its own outputs, RoPE at the real positions t+s); and the step-s soft label must
+be the target's distribution at t+1+s (checked by recomputing the loss from independently taken target
+distributions). The same for MTP's K modules (step k predicts x[t+1+k]) and Medusa's head offsets (head i
+predicts x[t+2+i]). A label taken one position early, RoPE not advanced per step, or a step reading the
+target's features instead of its own output fails here (see scripts/check_mutants.py).
+
+    .venv/bin/python -m pytest -q tests/test_alignment.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from data.features import forward_features
+from heads import eagle, medusa, mtp
+
+T = 14  # sequence length of the oracle batches
+STEPS = 3
+
+
+def _spread(head: torch.nn.Module, std: float, seed: int) -> None:
+    """Re-initialise a head's linear weights larger: at the default std its logits are nearly uniform, and
+    a label taken from the wrong position would change the loss too little to see."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in head.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * std)
+
+
+@contextmanager
+def recording(module: torch.nn.Module, pick: Callable = lambda out: out.float()) -> Iterator[list[torch.Tensor]]:
+    """The outputs of every call of `module` inside the block (passed through `pick`), in call order."""
+    got: list[torch.Tensor] = []
+    handle = module.register_forward_hook(lambda mod, inp, out: got.append(pick(out)))
+    try:
+        yield got
+    finally:
+        handle.remove()
+
+
+# ----------------------------------------------------------------------------------------------- EAGLE-3
+def _eagle3_training(model, head, io, seq: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
+    """(step-s logits [T, draft_vocab] of the training unroll for s < ttt_length, the loss metrics)."""
+    feats, _ = forward_features(model, seq, None, head.layer_ids)
+    batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": torch.ones_like(seq),
+             "last": feats.last, "aux": feats.aux}
+    with recording(head.lm_head, lambda out: out[0].float()) as steps, torch.no_grad():
+        _, metrics = eagle.loss(head, batch, io)
+    return steps, metrics
+
+
+def test_eagle3_ttt_steps_are_the_drafters_own_unroll_and_labels_sit_at_t_plus_1_plus_s(tiny_target):
+    model, _, io = tiny_target
+    torch.manual_seed(0)
+    cfg = eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=200, ttt_length=STEPS)
+    head = eagle.build(cfg, io).eval()
+    _spread(head, 0.15, seed=1)
+    ids = torch.randint(3, 250, (1, T), generator=torch.Generator().manual_seed(2))
+    for n in range(3, T - STEPS):  # index t = n - 1: the drafter begins with n prompt tokens and x_n
+        d = eagle.drafter(head, io)
+        d.begin(ids[:, :n], forward_features(model, ids[:, :n], None, head.layer_ids)[0], int(ids[0, n]))
+        with recording(head.lm_head, lambda out: out.reshape(-1, out.shape[-1])[-1].float()) as drafted:
+            tree = d.draft(STEPS, 0.0)  # greedy: step s reads the draft of step s-1, at position n-1+s
+        # The sequence continues with the drafts, so the training unroll reads the same tokens.
+        seq = torch.cat([ids[0, : n + 1], tree.tokens])[None]
+        steps, _ = _eagle3_training(model, head, io, seq)
+        inference = [d.last_logits] + drafted
+        assert len(steps) == STEPS
+        for s in range(STEPS):
+            torch.testing.assert_close(steps[s][n - 1], inference[s], atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, s=s, n=n: f"TTT step {s} at index {n - 1}: {m}")
+
+    # Labels: recompute every step's loss from the target's own logits (a full forward, not the features).
+    steps, metrics = _eagle3_training(model, head, io, ids)
+    with torch.no_grad():
+        target_logits = model(input_ids=ids).logits[0].float()
+    draft_ids = head.draft_ids()
+    p = target_logits[:, draft_ids].softmax(-1)
+    in_vocab = head.t2d[target_logits.argmax(-1)].float()
+    for s in range(STEPS):
+        loss = 0.0
+        for t in range(T - 2 - s):  # index t predicts x_{t+2+s}: its label is the target's p at t+1+s
+            ce = -(p[t + 1 + s] * steps[s][t].log_softmax(-1)).sum()
+            loss = loss + in_vocab[t + 1 + s] * ce
+        assert abs(float(loss) / T - metrics[f"loss/{s}"]) < 1e-4 * max(1.0, metrics[f"loss/{s}"]), s
+
+
+# ----------------------------------------------------------------------------------------------- MTP
+def test_mtp_step_k_is_the_drafters_step_k_and_predicts_t_plus_1_plus_k(tiny_target):
+    model, _, io = tiny_target
+    torch.manual_seed(0)
+    head = mtp.build(mtp.MTPConfig(num_modules=STEPS), io).eval()
+    _spread(head, 0.08, seed=3)
+    ids = torch.randint(3, 250, (1, T), generator=torch.Generator().manual_seed(4))
+
+    def training(seq: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
+        """Per step k: the logits the loss scores (rows t = 0.. with t+1+k < T), and the metrics."""
+        feats, _ = forward_features(model, seq)
+        batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": torch.ones_like(seq),
+                 "last": feats.last}
+        with recording(io.lm_head) as got, torch.no_grad():
+            _, metrics = mtp.loss(head, batch, io)
+        return got, metrics
+
+    for n in range(3, T - STEPS):
+        d = mtp.drafter(head, io)
+        d.begin(ids[:, :n], forward_features(model, ids[:, :n])[0], int(ids[0, n]))
+        with recording(io.lm_head) as drafted:
+            tree = d.draft(STEPS, 0.0)
+        seq = torch.cat([ids[0, : n + 1], tree.tokens])[None]
+        got, _ = training(seq)
+        for k in range(1, STEPS + 1):
+            torch.testing.assert_close(got[k - 1][n - 1], drafted[k - 1], atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, k=k, n=n: f"MTP step {k} at index {n - 1}: {m}")
+    got, metrics = training(ids)
+    for k in range(1, STEPS + 1):
+        assert got[k - 1].shape[0] == T - 1 - k  # rows t whose label x[t+1+k] exists
+        ce = F.cross_entropy(got[k - 1], ids[0, 1 + k:])
+        assert abs(float(ce) - metrics[f"loss/{k - 1}"]) < 1e-5 * max(1.0, float(ce)), k
+
+
+# ----------------------------------------------------------------------------------------------- Medusa
+def test_medusa_head_i_predicts_t_plus_2_plus_i_in_training_and_drafting(tiny_target):
+    model, _, io = tiny_target
+    torch.manual_seed(0)
+    cfg = medusa.MedusaConfig(num_heads=STEPS, tree=[[0], [0, 0], [0, 0, 0]])
+    head = medusa.build(cfg, io).eval()
+    _spread(head, 0.05, seed=5)
+    ids = torch.randint(3, 250, (1, T), generator=torch.Generator().manual_seed(6))
+    feats, _ = forward_features(model, ids)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
+             "last": feats.last}
+    with torch.no_grad():
+        _, metrics = medusa.loss(head, batch, io)
+        logits = head(feats.last[0]).float()  # [heads, T, V]
+    for i in range(STEPS):
+        ce = F.cross_entropy(logits[i, : T - 2 - i], ids[0, 2 + i:])  # head i at t scores x[t+2+i]
+        assert abs(float(ce) - metrics[f"loss/{i}"]) < 1e-5 * max(1.0, float(ce)), i
+    # Drafting: the root x_n sits at n; depth d+1 (token n+1+d) comes from head d at n-1, the same head and
+    # position the loss pairs with x[(n-1)+2+d].
+    n = 8
+    d = medusa.drafter(head, io)
+    d.begin(ids[:, :n], forward_features(model, ids[:, :n])[0], int(ids[0, n]))
+    tree = d.draft(STEPS, 0.0)
+    assert tree.tokens.tolist() == logits[:, n - 1].argmax(-1).tolist()
