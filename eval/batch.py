@@ -35,8 +35,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eval.kvcache import cache_kwarg
-from heads.base import Drafter
+from heads.base import Drafter, cache_kwarg
 
 
 @dataclass

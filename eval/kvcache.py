@@ -30,7 +30,6 @@ here goes through `cache_kwarg`.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -42,18 +41,13 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from data.features import FeatureCapture
 from data.target import text_config
-from heads.base import Features
+from heads.base import Features, cache_kwarg
 from heads.tree import is_chain, tree_layout
 
-__all__ = ["CACHE_KINDS", "DynamicKV", "KVCache", "StaticKV", "cache_kwarg", "new_kv", "rollback_cache", "sliding_window"]
+__all__ = ["CACHE_KINDS", "DynamicKV", "KVCache", "StaticKV", "new_kv", "rollback_cache", "sliding_window"]
 
 CACHE_KINDS = ("dynamic", "static")
 GRAPH_MAX_ROWS = 128  # forwards of at most this many rows are captured as CUDA graphs (verify sizes, not prompts)
-
-
-def cache_kwarg(model: nn.Module) -> str:
-    """The name of the model's cache argument: `cache` (transformers >= 5.2x) or `past_key_values` (older)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def sliding_window(model: nn.Module) -> int | None:

@@ -21,8 +21,10 @@ hidden state after its final norm (what the target's lm_head reads).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
+import inspect
 import json
 import os
 from dataclasses import dataclass, field
@@ -133,6 +135,17 @@ def target_record(config: Any, embed_weight: torch.Tensor, name: str) -> dict[st
     """The ONE target identity (TargetInfo) that head folders, store manifests and checkpoints record and
     check_target compares: name, fingerprint of the weights, model type, hidden size, layers, vocab."""
     return _identity(config, name, target_fingerprint(config, embed_weight))
+
+
+def cache_kwarg(module: nn.Module) -> str:
+    """The name of a model's or decoder layer's cache argument: `cache` (transformers >= 5.2x) or
+    `past_key_values` (5.17, which takes **kwargs and silently ignores `cache=`: no cache would be used)."""
+    return _cache_kwarg_of(type(module))
+
+
+@functools.cache
+def _cache_kwarg_of(cls: type) -> str:  # per class: drafters ask once per draft step
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def target_fingerprint(config: Any, embed_weight: torch.Tensor) -> str:

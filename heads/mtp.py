@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import DraftTree, Features, HeadConfig, TargetIO, shift_targets
+from heads.base import DraftTree, Features, HeadConfig, TargetIO, cache_kwarg, shift_targets
 
 
 @dataclass
@@ -122,7 +122,7 @@ class MTPModule(nn.Module):
     ) -> torch.Tensor:
         """o = block(eh_proj(cat(enorm(emb), hnorm(h)))) over [B, T, H] inputs (T new positions)."""
         u = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-        out = self.block(u, attention_mask=mask, position_embeddings=position_embeddings, cache=cache)
+        out = self.block(u, attention_mask=mask, position_embeddings=position_embeddings, **{cache_kwarg(self.block): cache})
         return out[0] if isinstance(out, tuple) else out
 
 
