@@ -43,7 +43,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -326,6 +326,8 @@ def regenerate(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> dict
     (a transformers model, or with regenerate.engine vllm a data.vllm_engine.VllmTarget)."""
     rcfg = cfg.regenerate
     _check(rcfg)
+    if rcfg.data_parallel_size > 1 and model is None:
+        return _data_parallel(cfg)
     jobs, no_user, stats = _jobs(rcfg)
     sharded = rcfg.num_shards > 1
     if sharded:
@@ -388,35 +390,109 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{s['skipped_malformed']} malformed, {s['skipped_without_user_turn']} without a user turn")
 
 
-def merge(cfg: RunConfig) -> dict[str, Any]:
-    """Join the num_shards shard files of an array job into OUT/<regenerate.output>, in prompt order.
-
-    Every shard must hold exactly the ids of its slice, in order (a missing or unfinished shard is named);
-    the joined file is written under a temporary name, fsynced and renamed, with the shards' settings as
-    its .meta.json, so it is what one uninterrupted run would have written (and resumes like one)."""
-    rcfg = cfg.regenerate
-    _check(rcfg)
-    jobs, _, _ = _jobs(rcfg)
-    out_path = output_path(cfg)
-    parts = []
-    for i in range(rcfg.num_shards):
-        part = output_path(cfg, i)
-        want = [j.id for j in jobs[shard_slice(len(jobs), i, rcfg.num_shards)]]
+def _join(parts: list[tuple[Path, list[str]]], out_path: Path, settings: dict[str, Any]) -> None:
+    """Concatenate finished part files (each must hold exactly its ids, in order) into out_path, atomically:
+    written under a temporary name, fsynced, renamed; the parts' settings become out_path's .meta.json."""
+    for part, want in parts:
         got = read_done(part)
         if got != want:
-            raise DataError(f"{part}: shard {i} of {rcfg.num_shards} holds {len(got)} of its {len(want)} records"
-                            + ("" if len(got) < len(want) else " (other ids)") + "; rerun that array task, then merge")
-        _check_settings(part.with_suffix(".meta.json"), part, _settings(cfg), True)
-        parts.append(part)
+            raise DataError(f"{part}: holds {len(got)} of its {len(want)} records"
+                            + ("" if len(got) < len(want) else " (other ids)") + "; rerun it, then merge")
+        _check_settings(part.with_suffix(".meta.json"), part, settings, True)
     tmp = out_path.with_name(out_path.name + ".merging")
     with tmp.open("wb") as f:
-        for part in parts:
+        for part, _ in parts:
             f.write(part.read_bytes())
         f.flush()
         os.fsync(f.fileno())
-    out_path.with_suffix(".meta.json").write_text(json.dumps(_settings(cfg), indent=2))
+    out_path.with_suffix(".meta.json").write_text(json.dumps(settings, indent=2))
     tmp.replace(out_path)
-    return {"output": str(out_path), "records": len(jobs), "shards": rcfg.num_shards}
+
+
+def merge(cfg: RunConfig) -> dict[str, Any]:
+    """Join the num_shards shard files of an array job into OUT/<regenerate.output>, in prompt order.
+
+    A missing or unfinished shard is named and nothing is written; the joined file is what one
+    uninterrupted run would have written (and resumes like one)."""
+    rcfg = cfg.regenerate
+    _check(rcfg)
+    jobs, _, _ = _jobs(rcfg)
+    parts = [(output_path(cfg, i), [j.id for j in jobs[shard_slice(len(jobs), i, rcfg.num_shards)]])
+             for i in range(rcfg.num_shards)]
+    _join(parts, output_path(cfg), _settings(cfg))
+    return {"output": str(output_path(cfg)), "records": len(jobs), "shards": rcfg.num_shards}
+
+
+def _data_parallel(cfg: RunConfig) -> dict[str, Any]:
+    """data_parallel_size D > 1: D child processes (python -m data.regenerate), each with one copy of the
+    target (with a GPU: its own tensor_parallel_size GPUs), answer D contiguous sub-slices of this task's
+    prompts (shards I*D+r of num_shards*D, which nest inside shard I of num_shards); their files are then
+    joined in order into this task's output, so the result equals a single process's. One process per copy
+    because vLLM's offline LLM refuses data_parallel_size > 1 in one process. Rerun after a kill: each child
+    resumes its own file."""
+    import subprocess
+
+    import yaml
+
+    rcfg = cfg.regenerate
+    n_dp, tp = rcfg.data_parallel_size, rcfg.tensor_parallel_size
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir)
+    sharded = rcfg.num_shards > 1
+    out_path = output_path(cfg, rcfg.shard_index if sharded else None)
+    jobs, _, _ = _jobs(rcfg)
+    if sharded:
+        jobs = jobs[shard_slice(len(jobs), rcfg.shard_index, rcfg.num_shards)]
+    done = read_done(out_path)
+    if out_path.exists() and done != [j.id for j in jobs]:
+        raise DataError(f"{out_path}: an unfinished file from a run without data parallelism; resume it with "
+                        "regenerate.data_parallel_size=1, or delete it")
+    start = time.perf_counter()
+    if not out_path.exists():
+        child_cfg = out_dir / f".regenerate-dp-{rcfg.shard_index}.yaml"
+        child_cfg.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        gpus: list[str] = []
+        if torch.cuda.is_available():
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+            if len(gpus) < n_dp * tp:
+                raise DataError(f"regenerate.data_parallel_size {n_dp} x tensor_parallel_size {tp} needs "
+                                f"{n_dp * tp} GPUs, {len(gpus)} visible")
+        procs = []
+        for r in range(n_dp):
+            env = dict(os.environ)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[r * tp:(r + 1) * tp])
+            cmd = [sys.executable, "-m", "data.regenerate", "--config", str(child_cfg), "--out", str(out_dir),
+                   "--regenerate.data_parallel_size=1", f"--regenerate.num_shards={rcfg.num_shards * n_dp}",
+                   f"--regenerate.shard_index={rcfg.shard_index * n_dp + r}"]
+            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        try:
+            codes = [p.wait() for p in procs]
+        finally:  # an interrupted parent takes its children (and their vLLM engines) with it
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+        failed = [(r, c) for r, c in enumerate(codes) if c]
+        if failed:
+            raise DataError(f"data-parallel copy {failed[0][0]} exited with code {failed[0][1]}; rerun the same "
+                            "command to resume")
+        n_fine = rcfg.num_shards * n_dp
+        fine = replace(cfg, regenerate=replace(rcfg, data_parallel_size=1, num_shards=n_fine))
+        all_jobs, _, _ = _jobs(rcfg)
+        parts = [(output_path(fine, i), [j.id for j in all_jobs[shard_slice(len(all_jobs), i, n_fine)]])
+                 for i in range(rcfg.shard_index * n_dp, (rcfg.shard_index + 1) * n_dp)]
+        _join(parts, out_path, _settings(cfg))
+        for part, _ in parts:
+            part.unlink()
+            part.with_suffix(".meta.json").unlink()
+        child_cfg.unlink()
+        save_config(cfg, out_dir)  # the children wrote theirs there
+    seconds = time.perf_counter() - start
+    return {"output": str(out_path), "records": len(read_done(out_path)), "data_parallel_size": n_dp,
+            "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -433,6 +509,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"regenerate merge: {s['records']} records from {s['shards']} shards in {s['output']}")
             return
         summary = regenerate(cfg)
+        if "data_parallel_size" in summary:
+            print(f"regenerate: {summary['records']} records in {summary['output']} from "
+                  f"{summary['data_parallel_size']} data-parallel copies in {summary['seconds']:.1f} s")
+            return
     except (DataError, TargetLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
