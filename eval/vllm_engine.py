@@ -189,7 +189,7 @@ def served_sections(
     """
     from data.config import to_dict
     from data.vllm_engine import target_folder
-    from heads.export import export_head
+    from heads.export import ExportError, export_head
 
     folder = target_folder(target_cfg)
     groups = [{"temperature": float(t), "bench": b, "requests": [{"ids": ids, "seed": s} for ids, s in reqs]}
@@ -200,7 +200,10 @@ def served_sections(
                 "max_model_len": longest + max_new_tokens + k + 8}
     with tempfile.TemporaryDirectory(prefix="draftheads-export-") as tmp:
         export = Path(tmp) / "speculators"
-        export_head(head_dir, "speculators", export, io, verifier=folder, speculative_tokens=k)
+        try:
+            export_head(head_dir, "speculators", export, io, verifier=folder, speculative_tokens=k)
+        except ExportError as e:
+            raise ServeError(f"cannot export {head_dir} for vLLM: {e}") from None
         spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": k}
         log(f"vllm: exported {head_dir} to the speculators layout; serving it with k {k} "
             f"({sum(len(g['requests']) for g in groups)} requests, one at a time)")
@@ -244,6 +247,13 @@ def served_sections(
                                           "requests": "one at a time (batch 1), the eval's own prompt ids",
                                           "acceptance_definition": ACCEPTANCE_DEFINITION, "by_temperature": {}})
         sec["by_temperature"][temp] = row
+        agree = row["agreement"]
+        ours_txt = (f", built-in {ours.acceptance_rates[0]:.3f}" if ours is not None and ours.acceptance_rates else "")
+        log(f"vllm {bench} T={temp}: acceptance per position "
+            f"{' / '.join(f'{a:.3f}' for a in row['acceptance_per_position'])}{ours_txt}; mean acceptance length "
+            f"{row['mean_acceptance_length']:.2f}; {tps:.1f} tok/s vs {plain_tps:.1f} plain ({row['speedup'] or 0:.2f}x); "
+            + ("agrees with the built-in decoder" if agree.get("agrees") else
+               "DISAGREES with the built-in decoder" if agree["compared"] else "not compared: " + agree["reason"]))
     for sec in sections.values():
         first = next(iter(sec["by_temperature"].values()))
         sec.update({key: first[key] for key in ("acceptance_per_position", "mean_acceptance_length", "tokens_per_s",
