@@ -18,11 +18,12 @@ What it does:
   batches as an uninterrupted run would use, so the final file is the same, with no duplicates.
 - sampling uses one random generator per (prompt id, turn), seeded from `seed`, so a sampled answer does
   not depend on which other prompts share its batch or on an interruption.
-
 - `regenerate.engine=vllm` (the `vllm` extra) hands each batch of `batch_size` prompts (then a chunk:
-  use hundreds on GPUs) to vLLM's offline engine, with `regenerate.tensor_parallel_size` and
-  `regenerate.data_parallel_size` passed to it; same prompts (our chat template, as token ids), same file,
-  same fsync per chunk and the same resume rules; sampled requests carry their (prompt id, turn) seed.
+  use hundreds on GPUs) to vLLM's offline engine (data/vllm_engine.py), `regenerate.tensor_parallel_size`
+  GPUs per copy of the target; same prompts (our chat template, as token ids), same file, same fsync per
+  chunk and the same resume rules; sampled requests carry their (prompt id, turn) seed.
+- `regenerate.data_parallel_size=D` runs D copies of the target, one child process each (vLLM's offline
+  LLM refuses D > 1 in one process), on D contiguous slices of the prompts, joined in order at the end.
 - `regenerate.num_shards=N regenerate.shard_index=I` answers the I-th contiguous slice of the prompts into
   OUT/<stem>.shard-IIIII-of-NNNNN.jsonl (one SLURM array task each: scripts/slurm/regenerate.sbatch), and
   `python -m data.regenerate merge --config C --out D --regenerate.num_shards=N` joins the finished shards
