@@ -20,9 +20,11 @@ draft reaches every depth, so "tested at depth d" is "accepted at depth d-1". Me
 1 + accepted tokens / drafts (tokens per target pass counting the bonus token, our tau).
 Agreement: per position, the Wilson 95% intervals of the two binomial proportions must overlap (each pass
 counted as one trial; passes of one answer are not independent, so this is a tolerance, not an exact
-test). Only greedy temperature is compared: at T > 0 vLLM's EAGLE proposer drafts the head's argmax and
-accepts it with probability p (no draft probabilities), while our chain samples from the head and accepts
-with min(1, p/q): different rules, different rates. A greedy disagreement is printed as a likely export bug.
+test). Only greedy temperature is compared: at T > 0 vLLM's EAGLE proposer drafts the head's argmax
+(speculative_config draft_sample_method "greedy", its default; no draft probabilities with a draft
+vocabulary) and its rejection sampler accepts it by the target's probability, while our chain samples from
+the head and accepts with min(1, p/q): different rules, different rates. A greedy disagreement is printed
+as a likely export bug.
 """
 
 from __future__ import annotations
@@ -230,8 +232,9 @@ def served_sections(
             row["agreement"] = {"compared": False, "reason": "no built-in run of the head on these turns"}
         elif g["temperature"] > 0:
             row["builtin_acceptance_per_position"] = ours.acceptance_rates
-            row["agreement"] = {"compared": False, "reason": "T > 0: vLLM accepts the head's argmax with "
-                                "probability p, the built-in chain samples q and accepts with min(1, p/q)"}
+            row["agreement"] = {"compared": False, "reason": "T > 0: vLLM drafts the head's argmax and accepts it "
+                                "by the target's probability, the built-in chain samples q and accepts with "
+                                "min(1, p/q)"}
         else:
             row["builtin_acceptance_per_position"] = ours.acceptance_rates
             row["agreement"] = agreement(per_pos, tested, list(ours.accepted_per_position)[:k],
