@@ -18,7 +18,6 @@ so vLLM answers exactly the prompts the transformers path answers.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -95,7 +94,6 @@ class VllmTarget:
         )
         if speculative_config is not None:
             kwargs["speculative_config"] = speculative_config
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
 
@@ -127,13 +125,3 @@ class VllmTarget:
             elif hasattr(m, "value"):
                 out[name] = out.get(name, 0) + m.value
         return out
-
-    def close(self) -> None:
-        """Stop vLLM's worker processes (they also stop when this process exits)."""
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(engine, "engine_core", None)
-            if shutdown is not None and hasattr(shutdown, "shutdown"):
-                shutdown.shutdown()
-            self.llm = None
