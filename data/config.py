@@ -86,6 +86,17 @@ class RegenerateConfig:
     system_prompt: str | None = None
     split: str = "train"  # split, for `datasets` names (e.g. train_sft for UltraChat)
     skip_malformed: bool = False  # skip (and count) malformed prompt records instead of failing
+    # hf: transformers' batched generate (batch_size prompts at a time). vllm: vLLM's offline engine (the
+    # `vllm` extra); batch_size is then the chunk of prompts handed to vLLM at once and fsynced after
+    # (vLLM batches inside a chunk itself: use hundreds on GPUs).
+    engine: str = "hf"
+    tensor_parallel_size: int = 1  # vllm: GPUs one copy of the target is split over
+    data_parallel_size: int = 1  # vllm: copies of the target on this node, each serving part of a chunk
+    memory: float | None = None  # vllm: gpu_memory_utilization (CPU: share of host memory); null = 0.9 GPU, 0.3 CPU
+    # SLURM job arrays (scripts/slurm/regenerate.sbatch): this task answers the shard_index-th of num_shards
+    # contiguous slices of the prompts into <output stem>.shard-I-of-N.jsonl; `merge` joins them in order.
+    num_shards: int = 1
+    shard_index: int = 0
 
 
 @dataclass

