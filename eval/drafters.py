@@ -9,6 +9,8 @@ All three implement heads.base.Drafter (begin / draft / commit) and draft chains
                                             KV cache rolled back to the accepted path on every commit
     self_speculative_drafter(target, n)     a ModelDrafter over the target's own first n decoder layers,
                                             final norm and lm_head (weights shared, no training, own cache)
+    HybridDrafter(head_drafter)             any drafter's tree with the n-gram proposal merged in as extra
+                                            branches (prefix-merged, verified in the same single pass)
 
     from eval.decoder import speculative_generate
     ids, stats = speculative_generate(target, prompt, self_speculative_drafter(target, 8), k=3, max_new_tokens=64)
@@ -17,6 +19,7 @@ All three implement heads.base.Drafter (begin / draft / commit) and draft chains
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +29,7 @@ from data.target import text_config
 from eval.decoder import sample_token
 from heads.base import DraftTree, Features
 
-__all__ = ["ModelDrafter", "NgramDrafter", "layer_prefix_model", "self_speculative_drafter"]
+__all__ = ["HybridDrafter", "ModelDrafter", "deterministic_q", "NgramDrafter", "layer_prefix_model", "self_speculative_drafter"]
 
 
 def _empty_tree(device: torch.device | str = "cpu") -> DraftTree:
@@ -67,22 +70,27 @@ class NgramDrafter:
         for t in prompt_ids.reshape(-1).tolist() + [next_token]:
             self._append(t)
 
-    def draft(self, k: int, temperature: float) -> DraftTree:
-        self._draft = []
+    def lookup(self, k: int) -> list[int]:
+        """The up to k tokens that followed the latest earlier match of the longest matching suffix ([] if none)."""
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(self.tokens) > n:
                 start = self.index[n].get(tuple(self.tokens[-n:]))
                 if start is not None:
-                    self._draft = self.tokens[start:start + k]
-                    break
+                    return self.tokens[start:start + k]
+        return []
+
+    def draft(self, k: int, temperature: float) -> DraftTree:
+        self._draft = self.lookup(k) if k > 0 else []
         if not self._draft:
             return _empty_tree(self._device)
         return DraftTree.chain(torch.tensor(self._draft, dtype=torch.long, device=self._device))
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
-        for a in accepted:
-            self._append(self._draft[a])
-        self._append(next_token)
+        self.commit_tokens([self._draft[a] for a in accepted], features, next_token)
+
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        for t in list(tokens) + [next_token]:
+            self._append(int(t))
 
 
 class ModelDrafter:
@@ -145,14 +153,21 @@ class ModelDrafter:
         return DraftTree.chain(tokens, torch.stack(probs) if probs else None)
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
-        k, a = len(self._draft), len(accepted)
-        if k == 0:
-            self.pending.append(next_token)
+        self.commit_tokens([self._draft[a] for a in accepted], features, next_token)
+
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        tokens = [int(t) for t in tokens]
+        if not self._draft:  # nothing drafted since the last commit: the cache has not moved
+            self.pending += tokens + [int(next_token)]
             return
-        fed = k - 1  # d1..d(k-1) are in the cache; dk was only sampled
-        if a < fed:
-            self.cache.crop(-(fed - a))
-        self.pending = ([self._draft[-1]] if a == k else []) + [next_token]
+        fed = len(self._draft) - 1  # d1..d(k-1) are in the cache; dk was only sampled
+        same = 0  # the cache rows of the drafted tokens the path agrees with are kept
+        while same < min(fed, len(tokens)) and tokens[same] == self._draft[same]:
+            same += 1
+        if same < fed:
+            self.cache.crop(-(fed - same))
+        self.pending = tokens[same:] + [int(next_token)]
+        self._draft = []
 
 
 def layer_prefix_model(model: nn.Module, num_layers: int) -> nn.Module:
@@ -188,3 +203,88 @@ def layer_prefix_model(model: nn.Module, num_layers: int) -> nn.Module:
 def self_speculative_drafter(model: nn.Module, num_layers: int, generator: torch.Generator | None = None) -> ModelDrafter:
     """Draft with the target's first `num_layers` layers + final norm + lm_head (no training, own cache)."""
     return ModelDrafter(layer_prefix_model(model, num_layers), text_config(model.config).vocab_size, generator)
+
+
+def deterministic_q(tokens: list[int], like: torch.Tensor) -> torch.Tensor:
+    """q rows [len(tokens), V] (dtype and device of `like`) one-hot on each token: how a deterministic draft
+    sits among sampled ones, since min(1, p/q) and max(p - q, 0) then reduce to the deterministic rule."""
+    q = torch.zeros(len(tokens), like.shape[-1], dtype=like.dtype, device=like.device)
+    q[torch.arange(len(tokens)), torch.tensor(tokens, device=like.device)] = 1.0
+    return q
+
+
+class HybridDrafter:
+    """A drafter's tree (EAGLE chain or dynamic tree, Medusa static tree, MTP chain, ...) plus the n-gram's
+    proposal as extra branches, verified in one target pass.
+
+    The n-gram chain is prefix-merged into the head's tree: walking it from the root, a token that the
+    current node already has as a child (from the head) reuses that node (tagged "head+ngram"), otherwise
+    a new node is appended (tagged "ngram"), so no sibling is ever duplicated. Example: head chain [a b c],
+    n-gram [a b d e] -> nodes a b c (head) and d e under b; a and b are tagged "head+ngram".
+
+    Exactness: an n-gram node is a deterministic draft. In a tree without probs, or a "topk" tree, every node
+    is already judged by the deterministic rule. In an "iid" tree (a sampled chain) the n-gram node gets the
+    one-hot q on its token, for which min(1, p/q) and normalize(max(p - q, 0)) ARE the deterministic rule
+    (accept with p(y), then p with y zeroed); each sibling step keeps the law of what is left, whatever
+    decided that the sibling is there (tests/test_policy.py checks the law against a biased variant).
+
+    Sync: both proposers commit the accepted path by its tokens (`commit_tokens`), so the head follows a path
+    that came from an n-gram branch, reading the target's features of those positions as usual.
+    `budgets` (set by eval.policy.AdaptivePolicy each pass) caps each proposer's depth; None = both use k.
+    """
+
+    SOURCES = ("head", "ngram")
+
+    def __init__(self, head: Any, ngram: NgramDrafter | None = None):
+        self.head = head
+        self.ngram = ngram if ngram is not None else NgramDrafter()
+        self.capture_layers = head.capture_layers
+        self.budgets: dict[str, int] | None = None
+        self._tokens: list[int] = []
+
+    def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
+        self.head.begin(prompt_ids, features, next_token)
+        self.ngram.begin(prompt_ids, None, next_token)
+        self._tokens = []
+
+    def proposal(self, source: str, k: int) -> int | None:
+        """How deep `source` would draft with k allowed, if known before drafting (the n-gram's match), else None."""
+        return len(self.ngram.lookup(k)) if source == "ngram" else None
+
+    def draft(self, k: int, temperature: float) -> DraftTree:
+        budgets = self.budgets or {}
+        kh, kn = min(k, budgets.get("head", k)), min(k, budgets.get("ngram", k))
+        head = self.head.draft(kh, temperature) if kh > 0 else _empty_tree(self.ngram._device)
+        tokens, parents = head.tokens.tolist(), head.parents.tolist()
+        sources = ["head"] * len(tokens)
+        child: dict[tuple[int, int], int] = {}
+        for i, (par, tok) in enumerate(zip(parents, tokens)):
+            child.setdefault((par, tok), i)
+        node = -1
+        for tok in self.ngram.lookup(kn) if kn > 0 else []:
+            nxt = child.get((node, tok))
+            if nxt is None:
+                nxt = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                sources.append("ngram")
+                child[(node, tok)] = nxt
+            elif sources[nxt] == "head":
+                sources[nxt] = "head+ngram"
+            node = nxt
+        self._tokens = tokens
+        dev = head.tokens.device
+        probs = head.probs
+        extra = len(tokens) - len(head)
+        if probs is not None and extra:
+            probs = torch.cat([probs, deterministic_q(tokens[len(head):], probs)])
+        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=dev),
+                         torch.tensor(parents, dtype=torch.long, device=dev), probs, head.sampling, sources)
+
+    def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
+        self.commit_tokens([self._tokens[a] for a in accepted], features, next_token)
+
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        self.head.commit_tokens(tokens, features, next_token)
+        self.ngram.commit_tokens(tokens, None, next_token)
+        self._tokens = []

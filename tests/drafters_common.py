@@ -13,11 +13,13 @@ from data.features import forward_features
 from eval.decoder import speculative_generate, target_distribution
 
 
-def exact_and_empirical(model, prompt: list[int], make_drafter, k: int, n_new: int, top_k: int, samples: int):
+def exact_and_empirical(model, prompt: list[int], make_drafter, k: int, n_new: int, top_k: int, samples: int,
+                        make_policy=None):
     """Exact P(new tokens) of plain sampling (temperature 1, top-k) and counts from speculative sampling.
 
     With top-k the target has top_k**n_new outcomes, enumerated exactly with target_distribution (the
     processor both decoders use); each speculative sample runs with its own seeded generators.
+    make_policy(i): an eval.decoder.DraftPolicy for sample i (None: the fixed draft length k).
     """
     exact: dict[tuple[int, ...], float] = {}
 
@@ -34,7 +36,8 @@ def exact_and_empirical(model, prompt: list[int], make_drafter, k: int, n_new: i
     counts: dict[tuple[int, ...], int] = {}
     for i in range(samples):
         out, _ = speculative_generate(model, torch.tensor([prompt]), make_drafter(i), k=k, max_new_tokens=n_new,
-                                      temperature=1.0, top_k=top_k, generator=torch.Generator().manual_seed(i))
+                                      temperature=1.0, top_k=top_k, generator=torch.Generator().manual_seed(i),
+                                      policy=None if make_policy is None else make_policy(i))
         counts[tuple(out.tolist())] = counts.get(tuple(out.tolist()), 0) + 1
     return exact, counts
 
@@ -66,14 +69,20 @@ def make_batch(model, seqs: list[list[int]], prompt_len: int = 4) -> dict[str, t
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "last": feats.last}
 
 
-def assert_sampling_exact(model, prompt: list[int], make_drafter, samples: int = 600) -> None:
+def sampling_pvalue(model, prompt: list[int], make_drafter, samples: int = 600, make_policy=None) -> float:
+    """Chi-square p-value of speculative sampling (temperature 1, top-3, k 2, 4 new tokens) against plain's law."""
+    exact, counts = exact_and_empirical(model, prompt, make_drafter, k=2, n_new=4, top_k=3, samples=samples,
+                                        make_policy=make_policy)
+    return chi_square_pvalue(exact, counts, samples)
+
+
+def assert_sampling_exact(model, prompt: list[int], make_drafter, samples: int = 600, make_policy=None) -> None:
     """Speculative sampling (temperature 1, top-3, k 2, 4 new tokens) must follow plain sampling's law.
 
     Fixed seeds make it deterministic; a drafter whose q did not match its drafts, or a verifier that
     resampled from p after a rejection, fails it (chi-square p-value far below 1e-3).
     """
-    exact, counts = exact_and_empirical(model, prompt, make_drafter, k=2, n_new=4, top_k=3, samples=samples)
-    pv = chi_square_pvalue(exact, counts, samples)
+    pv = sampling_pvalue(model, prompt, make_drafter, samples, make_policy)
     assert pv > 1e-3, f"chi-square p = {pv:.2e}"
 
 

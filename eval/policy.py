@@ -1,0 +1,137 @@
+"""Per-request adaptive drafting: each pass's draft length from what THIS request has accepted so far.
+
+    from eval.policy import AdaptivePolicy
+    policy = AdaptivePolicy(verify, {"draft": cal.draft_cost}, {"draft": cal.acceptance})
+    ids, stats = speculative_generate(model, prompt, drafter, k, 128, policy=policy)
+    print(stats.chosen_k)        # {"draft": {0: passes without a draft, 1: ..., 2: ...}}
+
+For a HybridDrafter (eval.drafters) the proposers are "head" and "ngram", each with its own prior and draft
+cost, and the policy sizes both branches of every pass (setting the drafter's `budgets`).
+
+The model (eval.costs, per proposer s and depth d, the estimate a_s(d) of P(depth d accepted | d-1 was)):
+    a_s(d)   = (accepted_s(d) + w * prior_s(d)) / (judged_s(d) + w)     counts decay by `decay` per
+                                                                        observation, so a request that
+                                                                        changes character is followed
+    P_s(d)   = a_s(1) * ... * a_s(d)                                    the proposer's chain reaches depth d
+    E(l)     = 1 + sum_d (1 - prod_s (1 - P_s(d) [d <= l_s]))           tokens per pass, branches treated as
+                                                                        independent chances to reach depth d
+    time(l)  = sum_{s: l_s > 0} D_s(nodes_s) + T(1 + sum_s nodes_s)     nodes_s = l_s * nodes per depth seen
+and the lengths l (each 0..k_max, the n-gram's capped by the match it actually has) with the highest
+E(l) * T(1) / time(l) are drafted; all zero is a plain pass (T(1), E = 1). A proposer left at 0 for
+`probe_every` passes in a row is given depth 1 once (a cheap re-probe: one extra verified token), so a
+request that becomes predictable gets drafts again. The prior is the calibration's acceptance, which is
+what the calibrated k was chosen from; reset's k is the first pass's length.
+
+Exactness does not depend on any of this: the policy only chooses what is drafted (tests/test_policy.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from eval.costs import DraftCost, VerifyCost
+from eval.speedup import extend_rates
+from heads.base import DraftTree
+
+__all__ = ["AdaptivePolicy"]
+
+
+class AdaptivePolicy:
+    """eval.decoder.DraftPolicy choosing per-proposer draft lengths from measured costs and running acceptance."""
+
+    def __init__(self, verify: VerifyCost, costs: Mapping[str, DraftCost], prior: Mapping[str, Sequence[float]],
+                 k_max: int = 8, prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 8):
+        if set(costs) != set(prior) or not prior:
+            raise ValueError(f"AdaptivePolicy: costs {sorted(costs)} and prior {sorted(prior)} must name the same proposers")
+        if k_max < 1 or prior_weight <= 0 or not 0 < decay <= 1 or probe_every < 1:
+            raise ValueError("AdaptivePolicy: need k_max >= 1, prior_weight > 0, 0 < decay <= 1, probe_every >= 1")
+        self.verify, self.costs = verify, dict(costs)
+        self.prior = {s: extend_rates(a, k_max) for s, a in prior.items()}
+        self.k_max, self.weight, self.decay, self.probe_every = k_max, prior_weight, decay, probe_every
+        self.reset(0)
+
+    def reset(self, k: int) -> None:
+        self.first = k
+        self.accepted = {s: [0.0] * self.k_max for s in self.prior}
+        self.judged = {s: [0.0] * self.k_max for s in self.prior}
+        self.idle = dict.fromkeys(self.prior, 0)
+        self.width = dict.fromkeys(self.prior, 1.0)  # draft nodes per depth (1 for chains)
+
+    def rates(self, source: str) -> list[float]:
+        """The current estimate a_s(d) for d = 1..k_max."""
+        w, pr = self.weight, self.prior[source]
+        return [(a + w * p) / (j + w) for a, j, p in zip(self.accepted[source], self.judged[source], pr)]
+
+    def _nodes(self, source: str, length: int) -> int:
+        return math.ceil(self.width[source] * length - 1e-9) if length else 0
+
+    def predicted_speedup(self, lengths: Mapping[str, int]) -> float:
+        """E(l) * T(1) / time(l) for these per-proposer lengths (see the module docstring)."""
+        depth = max(lengths.values(), default=0)
+        if depth == 0:
+            return 1.0
+        miss = [1.0] * depth  # P(no proposer's chain reaches depth d)
+        for s, n in lengths.items():
+            reach = 1.0
+            for d, a in enumerate(self.rates(s)[:n]):
+                reach *= a
+                miss[d] *= 1.0 - reach
+        e = 1.0 + sum(1.0 - m for m in miss)
+        nodes = {s: self._nodes(s, n) for s, n in lengths.items()}
+        t = sum(self.costs[s](nodes[s]) for s in lengths if lengths[s]) + self.verify(1 + sum(nodes.values()))
+        return e * self.verify(1) / t
+
+    def choose(self, drafter: Any, budget: int) -> dict[str, int]:
+        sources = list(getattr(drafter, "SOURCES", ("draft",)))
+        if set(sources) != set(self.prior):
+            raise ValueError(f"AdaptivePolicy: the drafter's proposers {sources} are not the policy's {sorted(self.prior)}")
+        cap = max(min(budget, self.k_max), 0)
+        limit = {}
+        for s in sources:
+            known = drafter.proposal(s, cap) if hasattr(drafter, "proposal") else None
+            limit[s] = cap if known is None else min(known, cap)
+        if self.first:
+            choice = {s: min(self.first, limit[s]) for s in sources}
+            self.first = 0
+        else:
+            grid = itertools.product(*(range(limit[s] + 1) for s in sources))
+            # Ties go to the first (shortest) lengths: the same speed for fewer verified tokens.
+            best = max(grid, key=lambda ls: self.predicted_speedup(dict(zip(sources, ls))))
+            choice = dict(zip(sources, best))
+        for s in sources:
+            if choice[s] or not limit[s]:
+                self.idle[s] = 0
+                continue
+            self.idle[s] += 1
+            if self.idle[s] >= self.probe_every:  # re-probe: one cheap draft token
+                choice[s], self.idle[s] = 1, 0
+        if hasattr(drafter, "budgets"):
+            drafter.budgets = dict(choice)
+        return choice
+
+    def observe(self, tree: DraftTree, accepted: list[int]) -> None:
+        n = len(tree)
+        if n == 0:
+            return
+        tags = [t.split("+") for t in tree.sources] if tree.sources is not None else [["draft"]] * n
+        parents = tree.parents.tolist()
+        depth = [0] * n
+        for i, p in enumerate(parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        for s in self.prior:
+            mine = [i for i in range(n) if s in tags[i]]
+            if not mine:
+                continue
+            got = 0  # this proposer's nodes are ancestor-closed: its accepted part is a prefix of the path
+            while got < len(accepted) and s in tags[accepted[got]]:
+                got += 1
+            last = accepted[got - 1] if got else -1
+            tested = min(got + int(any(parents[i] == last for i in mine)), self.k_max)
+            acc, jud = self.accepted[s], self.judged[s]
+            for d in range(tested):
+                jud[d] = self.decay * jud[d] + 1.0
+                acc[d] = self.decay * acc[d] + float(d < got)
+            self.width[s] = 0.5 * self.width[s] + 0.5 * len(mine) / max(depth[i] for i in mine)
