@@ -51,6 +51,7 @@ class AdaptivePolicy:
         self.verify, self.costs = verify, dict(costs)
         self.prior = {s: extend_rates(a, k_max) for s, a in prior.items()}
         self.k_max, self.weight, self.decay, self.probe_every = k_max, prior_weight, decay, probe_every
+        self._t: dict[int, float] = {}
         self.reset(0)
 
     def reset(self, k: int) -> None:
@@ -68,21 +69,69 @@ class AdaptivePolicy:
     def _nodes(self, source: str, length: int) -> int:
         return math.ceil(self.width[source] * length - 1e-9) if length else 0
 
-    def predicted_speedup(self, lengths: Mapping[str, int]) -> float:
-        """E(l) * T(1) / time(l) for these per-proposer lengths (see the module docstring)."""
+    def _verify(self, n: int) -> float:
+        """T(n), memoised: choose prices up to (k_max + 1)^2 candidates every pass."""
+        t = self._t.get(n)
+        if t is None:
+            t = self._t[n] = self.verify(n)
+        return t
+
+    def predicted_speedup(self, lengths: Mapping[str, int], reach: Mapping[str, list[float]] | None = None) -> float:
+        """E(l) * T(1) / time(l) for these per-proposer lengths (see the module docstring).
+
+        reach[s][d-1] = P_s(d) may be passed in when it is already computed (choose prices many l at once).
+        """
         depth = max(lengths.values(), default=0)
         if depth == 0:
             return 1.0
+        if reach is None:
+            reach = {s: list(itertools.accumulate(self.rates(s), lambda x, y: x * y)) for s in lengths}
         miss = [1.0] * depth  # P(no proposer's chain reaches depth d)
         for s, n in lengths.items():
-            reach = 1.0
-            for d, a in enumerate(self.rates(s)[:n]):
-                reach *= a
-                miss[d] *= 1.0 - reach
-        e = 1.0 + sum(1.0 - m for m in miss)
-        nodes = {s: self._nodes(s, n) for s, n in lengths.items()}
-        t = sum(self.costs[s](nodes[s]) for s in lengths if lengths[s]) + self.verify(1 + sum(nodes.values()))
-        return e * self.verify(1) / t
+            r = reach[s]
+            for d in range(n):
+                miss[d] *= 1.0 - r[d]
+        e = 1.0 + depth - sum(miss)
+        t, nodes = 0.0, 1
+        for s, n in lengths.items():
+            if n:
+                m = self._nodes(s, n)
+                t += self.costs[s](m)
+                nodes += m
+        return e * self._verify(1) / (t + self._verify(nodes))
+
+    def best_lengths(self, sources: Sequence[str], limit: Mapping[str, int]) -> dict[str, int]:
+        """The lengths (each 0..limit[s]) with the highest predicted_speedup; ties go to the shorter.
+
+        One or two proposers, priced incrementally (O(1) per candidate, this runs every pass): adding depth
+        d to the second proposer adds P(the first misses d) * P_2(d) to E.
+        """
+        if not 1 <= len(sources) <= 2:
+            raise ValueError(f"AdaptivePolicy: one or two proposers, got {list(sources)}")
+        a, b = sources[0], (sources[1] if len(sources) == 2 else None)
+        reach = {s: list(itertools.accumulate(self.rates(s), lambda x, y: x * y)) for s in sources}
+        la_max, lb_max = limit[a], (limit[b] if b else 0)
+        ra, rb = reach[a], (reach[b] if b else [])
+        nodes_a = [self._nodes(a, n) for n in range(la_max + 1)]
+        nodes_b = [self._nodes(b, n) for n in range(lb_max + 1)] if b else [0]
+        cost_a = [self.costs[a](m) if m else 0.0 for m in nodes_a]
+        cost_b = [self.costs[b](m) if m else 0.0 for m in nodes_b] if b else [0.0]
+        t1 = self._verify(1)
+        best, arg = 1.0, (0, 0)  # a plain pass
+        e_a = 1.0
+        for la in range(la_max + 1):
+            if la:
+                e_a += ra[la - 1]
+            e = e_a
+            for lb in range(lb_max + 1):
+                if lb:
+                    d = lb - 1
+                    e += (1.0 - ra[d] if d < la else 1.0) * rb[d]
+                if la or lb:
+                    speed = e * t1 / (cost_a[la] + cost_b[lb] + self._verify(1 + nodes_a[la] + nodes_b[lb]))
+                    if speed > best * (1 + 1e-9):
+                        best, arg = speed, (la, lb)
+        return dict(zip(sources, arg))
 
     def choose(self, drafter: Any, budget: int) -> dict[str, int]:
         sources = list(getattr(drafter, "SOURCES", ("draft",)))
@@ -97,10 +146,7 @@ class AdaptivePolicy:
             choice = {s: min(self.first, limit[s]) for s in sources}
             self.first = 0
         else:
-            grid = itertools.product(*(range(limit[s] + 1) for s in sources))
-            # Ties go to the first (shortest) lengths: the same speed for fewer verified tokens.
-            best = max(grid, key=lambda ls: self.predicted_speedup(dict(zip(sources, ls))))
-            choice = dict(zip(sources, best))
+            choice = self.best_lengths(sources, limit)
         for s in sources:
             if choice[s] or not limit[s]:
                 self.idle[s] = 0

@@ -12,6 +12,7 @@ begun on the committed sequence (EAGLE-3 with target features, a separate draft 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -158,6 +159,20 @@ def test_adaptive_policy_backs_off_and_reprobes():
         pol.observe(miss, [0, 1, 2])
     assert pol.choose(NgramDrafter(), 10)["draft"] >= 3  # the request became predictable: drafts again
     assert pol.choose(NgramDrafter(), 1)["draft"] <= 1  # never past the budget
+
+
+def test_fast_length_search_is_the_cost_model_argmax():
+    rng = random.Random(0)
+    for trial in range(30):
+        sources = ("head", "ngram") if trial % 3 else ("draft",)
+        pol = AdaptivePolicy(VERIFY, {s: DraftCost(rng.uniform(0, 0.01), rng.uniform(0, 0.005)) for s in sources},
+                             {s: [rng.random() for _ in range(5)] for s in sources}, k_max=6)
+        pol.width[sources[0]] = rng.choice([1.0, 1.5, 3.0])
+        limit = {s: rng.randint(0, 6) for s in sources}
+        grid = itertools.product(*(range(limit[s] + 1) for s in sources))
+        brute = max(grid, key=lambda ls: pol.predicted_speedup(dict(zip(sources, ls))) - 1e-12 * sum(ls))
+        fast = pol.best_lengths(sources, limit)
+        assert pol.predicted_speedup(fast) == pytest.approx(pol.predicted_speedup(dict(zip(sources, brute))))
 
 
 # ----------------------------------------------------------------------------------------------- sync
