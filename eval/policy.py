@@ -33,10 +33,26 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from eval.costs import DraftCost, VerifyCost
+from eval.decoder import GenerationStats
 from eval.speedup import extend_rates
 from heads.base import DraftTree
 
-__all__ = ["AdaptivePolicy"]
+__all__ = ["AdaptivePolicy", "measured_prior"]
+
+
+def measured_prior(stats: GenerationStats) -> list[float]:
+    """Conditional acceptance per depth where it was measured: up to the first depth no pass tested.
+
+    GenerationStats.acceptance_rates reports 0 for an untested depth, which as a prior would keep the policy
+    from ever drafting that deep; here the list stops instead, and the policy repeats its last rate deeper
+    (eval.speedup.extend_rates). Example: accepted [3, 1, 0], judged [4, 2, 0] -> [0.75, 0.5].
+    """
+    out = []
+    for a, j in zip(stats.accepted_per_position, stats.judged_per_position):
+        if not j:
+            break
+        out.append(a / j)
+    return out
 
 
 class AdaptivePolicy:

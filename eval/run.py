@@ -57,7 +57,7 @@ from eval.bench import bench_name, load_questions
 from eval.costs import calibrate, choose_k, ideal_speedup, measure_verify_cost
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
 from eval.drafters import HybridDrafter, NgramDrafter
-from eval.policy import AdaptivePolicy
+from eval.policy import AdaptivePolicy, measured_prior
 from eval.report import write_report
 from eval.speedup import speedup_model
 from heads.base import Drafter, HeadMismatchError, family_module, load_head, read_head_config
@@ -327,8 +327,8 @@ def evaluate(
             return None
         if name.endswith("+ngram"):
             return AdaptivePolicy(verify, {"head": cal.draft_cost, "ngram": cal_ng.draft_cost},
-                                  {"head": cal.acceptance, "ngram": cal_ng.acceptance})
-        return AdaptivePolicy(verify, {"draft": cal.draft_cost}, {"draft": cal.acceptance})
+                                  {"head": measured_prior(cal.stats), "ngram": measured_prior(cal_ng.stats)})
+        return AdaptivePolicy(verify, {"draft": cal.draft_cost}, {"draft": measured_prior(cal.stats)})
 
     log(f"eval: target {target_cfg.name_or_path}, drafter {main}, k {k} "
         f"({'config' if cfg_eval.num_draft_tokens else 'chosen from measured costs and calibration'}), "

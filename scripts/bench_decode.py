@@ -60,7 +60,7 @@ from eval.costs import (  # noqa: E402
 )
 from eval.decoder import GenerationStats, plain_generate, speculative_generate  # noqa: E402
 from eval.drafters import HybridDrafter, NgramDrafter, self_speculative_drafter  # noqa: E402
-from eval.policy import AdaptivePolicy  # noqa: E402
+from eval.policy import AdaptivePolicy, measured_prior  # noqa: E402
 
 BUNDLED = ROOT / "data" / "bundled"
 
@@ -236,13 +236,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         for name, p in list(plans.items()):  # the same drafters under the adaptive policy
             plans[f"{name}_adaptive"] = p.adaptive(f"{name}_adaptive", p.make, lambda p=p: AdaptivePolicy(
-                verify, {"draft": p.cal.draft_cost}, {"draft": p.cal.acceptance}))
+                verify, {"draft": p.cal.draft_cost}, {"draft": measured_prior(p.cal.stats)}))
         if base is not None:
             b, ng = plans[base], plans["ngram"]
             plans[f"{base}+ngram"] = b.adaptive(
                 f"{base}+ngram", lambda: HybridDrafter(b.make(), ng.make()),
                 lambda: AdaptivePolicy(verify, {"head": b.cal.draft_cost, "ngram": ng.cal.draft_cost},
-                                       {"head": b.cal.acceptance, "ngram": ng.cal.acceptance}))
+                                       {"head": measured_prior(b.cal.stats), "ngram": measured_prior(ng.cal.stats)}))
         plans = list(plans.values())
 
         # Every method runs on a prompt before the next prompt starts, so a shared machine's load drift

@@ -25,9 +25,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import eval.drafters as drafters
 from data.features import forward_features
 from eval.costs import DraftCost, VerifyCost
-from eval.decoder import plain_generate, speculative_generate
+from eval.decoder import GenerationStats, plain_generate, speculative_generate
 from eval.drafters import HybridDrafter, ModelDrafter, NgramDrafter
-from eval.policy import AdaptivePolicy
+from eval.policy import AdaptivePolicy, measured_prior
 from heads import eagle
 from heads.base import DraftTree
 
@@ -159,6 +159,13 @@ def test_adaptive_policy_backs_off_and_reprobes():
         pol.observe(miss, [0, 1, 2])
     assert pol.choose(NgramDrafter(), 10)["draft"] >= 3  # the request became predictable: drafts again
     assert pol.choose(NgramDrafter(), 1)["draft"] <= 1  # never past the budget
+
+
+def test_measured_prior_stops_at_the_first_untested_depth():
+    st = GenerationStats(accepted_per_position=[3, 1, 0], judged_per_position=[4, 2, 0])
+    assert measured_prior(st) == [0.75, 0.5] and st.acceptance_rates == [0.75, 0.5, 0.0]
+    assert AdaptivePolicy(VERIFY, {"draft": DraftCost(0, 0)}, {"draft": measured_prior(st)}).prior["draft"][:4] == \
+        [0.75, 0.5, 0.5, 0.5]
 
 
 def test_fast_length_search_is_the_cost_model_argmax():
