@@ -11,6 +11,8 @@ All three implement heads.base.Drafter (begin / draft / commit) and draft chains
                                             final norm and lm_head (weights shared, no training, own cache)
     HybridDrafter(head_drafter)             any drafter's tree with the n-gram proposal merged in as extra
                                             branches (prefix-merged, verified in the same single pass)
+    DeferredSync(drafter)                   the drafter with its commits held back while a policy keeps it
+                                            from drafting, then handed over as one (same state, less work)
 
     from eval.decoder import speculative_generate
     ids, stats = speculative_generate(target, prompt, self_speculative_drafter(target, 8), k=3, max_new_tokens=64)
@@ -29,7 +31,7 @@ from data.target import text_config
 from eval.decoder import sample_token
 from heads.base import DraftTree, Features
 
-__all__ = ["HybridDrafter", "ModelDrafter", "deterministic_q", "NgramDrafter", "layer_prefix_model", "self_speculative_drafter"]
+__all__ = ["DeferredSync", "HybridDrafter", "ModelDrafter", "deterministic_q", "NgramDrafter", "layer_prefix_model", "self_speculative_drafter"]
 
 
 def _empty_tree(device: torch.device | str = "cpu") -> DraftTree:
@@ -213,6 +215,63 @@ def deterministic_q(tokens: list[int], like: torch.Tensor) -> torch.Tensor:
     return q
 
 
+class DeferredSync:
+    """Wraps a drafter so that its commits wait while it does not draft (a policy gave it depth 0).
+
+    Consecutive commits with no draft between them are one commit of the joined path (tokens t1 + [next1] +
+    t2, features concatenated, next2): the drafter's state after it is the same. So the deferred commits are
+    handed over as ONE `commit_tokens` right before the next draft, and one head forward over m rows costs
+    less than m forwards of one row; a generation that never drafts again never pays for them. A commit
+    right after a draft goes through at once (the drafter rolls its own draft back).
+    """
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.capture_layers = inner.capture_layers
+        self._drafted = False
+        self._deferred: list[tuple[list[int], Features | None, int]] = []
+
+    def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
+        self._drafted, self._deferred = False, []
+        self.inner.begin(prompt_ids, features, next_token)
+
+    def flush(self) -> None:
+        """Hand the deferred commits to the drafter as one commit of the joined path."""
+        if not self._deferred:
+            return
+        path: list[int] = []
+        for tokens, _, nxt in self._deferred:
+            path += tokens + [nxt]
+        feats = [f for _, f, _ in self._deferred]
+        joined = None
+        if feats[0] is not None:
+            joined = Features(last=torch.cat([f.last for f in feats], dim=1),
+                              aux=None if feats[0].aux is None else torch.cat([f.aux for f in feats], dim=1))
+        self._deferred = []
+        self.inner.commit_tokens(path[:-1], joined, path[-1])
+
+    def draft(self, k: int, temperature: float) -> DraftTree:
+        if k <= 0:
+            return self.inner.draft(k, temperature)
+        self.flush()
+        self._drafted = True
+        return self.inner.draft(k, temperature)
+
+    def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
+        if self._drafted:
+            self._drafted = False
+            self.inner.commit(accepted, features, next_token)
+        else:  # nothing drafted since the last commit: nothing can have been accepted
+            self.commit_tokens([], features, next_token)
+
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        if self._drafted:
+            self._drafted = False
+            self.inner.commit_tokens(tokens, features, next_token)
+        else:
+            self._deferred.append(([int(t) for t in tokens], features, int(next_token)))
+
+
 class HybridDrafter:
     """A drafter's tree (EAGLE chain or dynamic tree, Medusa static tree, MTP chain, ...) plus the n-gram's
     proposal as extra branches, verified in one target pass.
@@ -229,44 +288,24 @@ class HybridDrafter:
     decided that the sibling is there (tests/test_policy.py checks the law against a biased variant).
 
     Sync: both proposers commit the accepted path by its tokens (`commit_tokens`), so the head follows a path
-    that came from an n-gram branch, reading the target's features of those positions as usual. While the
-    head does not draft (a policy gave it depth 0) its commits are deferred and handed over as ONE commit
-    before its next draft: consecutive commits with no draft between them are one commit of the joined path
-    (tokens t1 + [next1] + t2, features concatenated, next2), and one head forward over m rows costs less
-    than m forwards of one row.
+    that came from an n-gram branch, reading the target's features of those positions as usual. The head is
+    wrapped in DeferredSync: while a policy gives it depth 0 its commits wait for its next draft.
     `budgets` (set by eval.policy.AdaptivePolicy each pass) caps each proposer's depth; None = both use k.
     """
 
     SOURCES = ("head", "ngram")
 
     def __init__(self, head: Any, ngram: NgramDrafter | None = None):
-        self.head = head
+        self.head = head if isinstance(head, DeferredSync) else DeferredSync(head)
         self.ngram = ngram if ngram is not None else NgramDrafter()
         self.capture_layers = head.capture_layers
         self.budgets: dict[str, int] | None = None
         self._tokens: list[int] = []
-        self._head_drafted = False  # whether the head drafted in the pass being committed
-        self._deferred: list[tuple[list[int], Features | None, int]] = []
 
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
         self.head.begin(prompt_ids, features, next_token)
         self.ngram.begin(prompt_ids, None, next_token)
-        self._tokens, self._deferred = [], []
-
-    def _flush(self) -> None:
-        """Hand the deferred commits to the head as one commit of the joined path."""
-        if not self._deferred:
-            return
-        path: list[int] = []
-        for tokens, _, nxt in self._deferred:
-            path += list(tokens) + [nxt]
-        feats = [f for _, f, _ in self._deferred]
-        joined = None
-        if feats[0] is not None:
-            joined = Features(last=torch.cat([f.last for f in feats], dim=1),
-                              aux=None if feats[0].aux is None else torch.cat([f.aux for f in feats], dim=1))
-        self._deferred = []
-        self.head.commit_tokens(path[:-1], joined, path[-1])
+        self._tokens = []
 
     def proposal(self, source: str, k: int) -> int | None:
         """How deep `source` would draft with k allowed, if known before drafting (the n-gram's match), else None."""
@@ -275,9 +314,6 @@ class HybridDrafter:
     def draft(self, k: int, temperature: float) -> DraftTree:
         budgets = self.budgets or {}
         kh, kn = min(k, budgets.get("head", k)), min(k, budgets.get("ngram", k))
-        self._head_drafted = kh > 0
-        if kh > 0:
-            self._flush()
         head = self.head.draft(kh, temperature) if kh > 0 else _empty_tree(self.ngram._device)
         tokens, parents = head.tokens.tolist(), head.parents.tolist()
         sources = ["head"] * len(tokens)
@@ -309,10 +345,6 @@ class HybridDrafter:
         self.commit_tokens([self._tokens[a] for a in accepted], features, next_token)
 
     def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        self.head.commit_tokens(tokens, features, next_token)
         self.ngram.commit_tokens(tokens, None, next_token)
         self._tokens = []
-        if self._head_drafted:  # the head has a draft of its own to roll back: commit now
-            self.head.commit_tokens(tokens, features, next_token)
-        else:
-            self._deferred.append((list(tokens), features, int(next_token)))
-        self._head_drafted = False

@@ -56,7 +56,7 @@ from eval.batch import sweep
 from eval.bench import bench_name, load_questions
 from eval.costs import calibrate, choose_k, ideal_speedup, measure_verify_cost
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
-from eval.drafters import HybridDrafter, NgramDrafter
+from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter
 from eval.policy import AdaptivePolicy, measured_prior
 from eval.report import write_report
 from eval.speedup import speedup_model
@@ -365,7 +365,9 @@ def evaluate(
                             results[name] = speculative_generate(model, ids, NgramDrafter(), k_ng,
                                                                  policy=policy_for(name), **common)
                         else:
-                            d = HybridDrafter(make_head()) if name == main and hybrid else make_head()
+                            # Under a policy the head's commits wait while it does not draft (DeferredSync).
+                            d = HybridDrafter(make_head()) if name == main and hybrid else \
+                                DeferredSync(make_head()) if cfg_eval.policy == "adaptive" else make_head()
                             results[name] = speculative_generate(model, ids, d, k, policy=policy_for(name), **common)
                     plain_ids = results["plain"][0]
                     for name, (new, st) in results.items():

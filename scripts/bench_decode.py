@@ -59,7 +59,7 @@ from eval.costs import (  # noqa: E402
     measure_verify_cost,
 )
 from eval.decoder import GenerationStats, plain_generate, speculative_generate  # noqa: E402
-from eval.drafters import HybridDrafter, NgramDrafter, self_speculative_drafter  # noqa: E402
+from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter, self_speculative_drafter  # noqa: E402
 from eval.policy import AdaptivePolicy, measured_prior  # noqa: E402
 
 BUNDLED = ROOT / "data" / "bundled"
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
                  for name, (variants, ck) in tqdm(drafters.items(), desc="calibrating", leave=False)}
 
         for name, p in list(plans.items()):  # the same drafters under the adaptive policy
-            plans[f"{name}_adaptive"] = p.adaptive(f"{name}_adaptive", p.make, lambda p=p: AdaptivePolicy(
+            plans[f"{name}_adaptive"] = p.adaptive(f"{name}_adaptive", lambda p=p: DeferredSync(p.make()), lambda p=p: AdaptivePolicy(
                 verify, {"draft": p.cal.draft_cost}, {"draft": measured_prior(p.cal.stats)}))
         if base is not None:
             b, ng = plans[base], plans["ngram"]

@@ -18,15 +18,25 @@ import random
 import pytest
 import torch
 from drafters_common import sampling_pvalue
-from test_decoder import MAX_NEW, RandomTreeDrafter, StaticTreeDrafter, other, prompt, reference, target  # noqa: F401
+from test_decoder import (  # noqa: F401  (fixtures)
+    MAX_NEW,
+    RandomTreeDrafter,
+    StaticTreeDrafter,
+    other,
+    prompt,
+    reference,
+    sharp_model,
+    target,
+)
 from test_sampling_exactness import vocab4_model  # noqa: F401
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import eval.drafters as drafters
 from data.features import forward_features
+from data.target import target_io
 from eval.costs import DraftCost, VerifyCost
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
-from eval.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter, NgramDrafter, layer_prefix_model
 from eval.policy import AdaptivePolicy, measured_prior
 from heads import eagle
 from heads.base import DraftTree
@@ -104,7 +114,8 @@ def _eagle3(io):
 def test_greedy_identical_under_any_policy(target, other, prompt, reference, seed):  # noqa: F811 (fixtures imported from test_decoder)
     plain, _ = plain_generate(target, prompt, MAX_NEW)
     assert plain.tolist() == reference.tolist()
-    makers = [NgramDrafter, lambda: ModelDrafter(other), lambda: _tracker(RandomTreeDrafter(reference, seed)),
+    makers = [NgramDrafter, lambda: DeferredSync(ModelDrafter(other)),
+              lambda: _tracker(RandomTreeDrafter(reference, seed)),
               lambda: _tracker(StaticTreeDrafter(reference, seed)), lambda: HybridDrafter(ModelDrafter(other))]
     for make in makers:
         sources = getattr(make(), "SOURCES", ("draft",))
@@ -183,24 +194,52 @@ def test_fast_length_search_is_the_cost_model_argmax():
 
 
 # ----------------------------------------------------------------------------------------------- sync
-@pytest.mark.parametrize("family", ["eagle3", "model"])
-def test_head_stays_in_sync_when_ngram_branches_are_accepted(tiny_target, other, prompt, family):  # noqa: F811 (fixtures imported from test_decoder)
-    model, _, io = tiny_target
+class OracleNgram(NgramDrafter):
+    """An n-gram proposer that knows the greedy continuation `ref` (2 tokens at a time): its branches get
+    accepted, a random head's not."""
+
+    def __init__(self, ref: list[int]):
+        super().__init__()
+        self.ref = ref
+
+    def begin(self, prompt_ids, features, next_token):
+        self.prompt_len = prompt_ids.shape[1]
+        super().begin(prompt_ids, features, next_token)
+
+    def lookup(self, k):
+        done = len(self.tokens) - self.prompt_len  # new tokens committed, the root included
+        return self.ref[done:done + min(k, 2)]  # short: many passes, the head drafting in some
+
+
+@pytest.mark.parametrize("family,wrap", [("eagle3", "hybrid"), ("model", "hybrid"), ("eagle3", "deferred")])
+def test_head_stays_in_sync_when_ngram_branches_are_accepted(sharp_model, family, wrap):  # noqa: F811 (fixture imported from test_decoder)
+    """Also when its commits were deferred over plain passes (DeferredSync, inside every HybridDrafter).
+
+    sharp_model's predictions depend on the whole context, so a head fed a wrong or reordered path drafts
+    differently from a fresh one."""
+    io = target_io(sharp_model)
+    ids = torch.randint(97, (1, 12), generator=torch.Generator().manual_seed(0))
+    ref, _ = plain_generate(sharp_model, ids, MAX_NEW)
     if family == "eagle3":
-        head = _eagle3(io)
+        torch.manual_seed(0)
+        head = eagle.build(eagle.Eagle3Config(layer_ids=[0, 1], draft_vocab_size=97, ttt_length=2), io)
         make = lambda: eagle.drafter(head, io)  # noqa: E731
     else:
-        make = lambda: ModelDrafter(other)  # noqa: E731
+        make = lambda: ModelDrafter(layer_prefix_model(sharp_model, 1))  # noqa: E731
     rec = Recorder(make())
-    d = HybridDrafter(rec)
-    out, st = speculative_generate(model, prompt, d, 3, MAX_NEW, policy=RandomPolicy(3, p_zero=0.2))
-    assert st.accepted_by_source.get("ngram", 0) >= 3  # paths the head did not propose were committed
-    full = torch.cat([prompt[0], out])[None]
+    d = HybridDrafter(rec, OracleNgram(ref.tolist())) if wrap == "hybrid" else DeferredSync(rec)
+    out, st = speculative_generate(sharp_model, ids, d, 3, MAX_NEW, policy=RandomPolicy(3, p_zero=0.6))
+    assert out.tolist() == ref.tolist() and len(set(ref.tolist())) > 10
+    if wrap == "hybrid":
+        assert st.accepted_by_source.get("ngram", 0) >= 5  # paths the head did not propose were committed
+    assert len(rec.records) > 3
+    drafted_at = [m for m, _, _ in rec.records]
+    assert max(b - a for a, b in zip(drafted_at, drafted_at[1:])) >= 4  # several commits deferred at once
+    full = torch.cat([ids[0], out])[None]
     assert rec.seq == full[0, :len(rec.seq)].tolist()  # the head was handed the tokens really committed
     feats = None
     if rec.capture_layers is not None:
-        feats, _ = forward_features(model, full, None, list(rec.capture_layers))
-    assert len(rec.records) > 3
+        feats, _ = forward_features(sharp_model, full, None, list(rec.capture_layers))
     for m, k, toks in rec.records:
         fresh = make()
         fresh.begin(full[:, :m - 1], None if feats is None else feats.slice(0, m - 1), int(full[0, m - 1]))
