@@ -38,7 +38,7 @@ from eval.costs import DraftCost, VerifyCost
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
 from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter, NgramDrafter, layer_prefix_model
 from eval.policy import AdaptivePolicy, measured_prior
-from heads import eagle
+from heads import eagle, medusa, mtp
 from heads.base import DraftTree
 
 # A CPU-like verify curve (ms): drafting pays only for well-accepted drafts.
@@ -123,6 +123,29 @@ def test_greedy_identical_under_any_policy(target, other, prompt, reference, see
             out, st = speculative_generate(target, prompt, make(), 4, MAX_NEW, policy=policy)
             assert out.tolist() == reference.tolist(), (type(policy).__name__, make)
             assert sum(st.chosen_k[next(iter(st.chosen_k))].values()) == st.target_passes
+
+
+@pytest.mark.parametrize("family", ["eagle3-dynamic", "medusa", "mtp"])
+def test_hybrid_over_every_head_family_is_identical(sharp_model, family):  # noqa: F811 (fixture imported from test_decoder)
+    """The n-gram merged into an EAGLE-2 dynamic tree, a Medusa static tree and an MTP chain (untrained heads)."""
+    io = target_io(sharp_model)
+    ids = torch.randint(97, (1, 12), generator=torch.Generator().manual_seed(1))
+    ref, _ = plain_generate(sharp_model, ids, MAX_NEW)
+    torch.manual_seed(0)
+    if family == "eagle3-dynamic":
+        head = eagle.build(eagle.Eagle3Config(layer_ids=[0, 1], draft_vocab_size=97, ttt_length=2), io)
+        make = lambda: eagle.drafter(head, io, tree="dynamic", top_k=3, total_tokens=8)  # noqa: E731
+    elif family == "medusa":
+        head = medusa.build(medusa.MedusaConfig(num_heads=3), io)
+        make = lambda: medusa.drafter(head, io)  # noqa: E731
+    else:
+        head = mtp.build(mtp.MTPConfig(num_modules=2), io)
+        make = lambda: mtp.drafter(head, io)  # noqa: E731
+    for policy in (None, RandomPolicy(0), adaptive(("head", "ngram"), prior=0.9)):
+        out, st = speculative_generate(sharp_model, ids, HybridDrafter(make(), OracleNgram(ref.tolist())), 3, MAX_NEW,
+                                       policy=policy)
+        assert out.tolist() == ref.tolist(), (family, policy)
+        assert st.accepted_by_source.get("ngram", 0) > 0
 
 
 def test_never_drafting_policy_is_plain_decoding_with_the_drafter_in_sync(target, prompt, reference):  # noqa: F811 (fixtures imported from test_decoder)
@@ -286,3 +309,14 @@ def test_hybrid_sampling_is_exact_and_a_biased_hybrid_fails(vocab4_model, head4,
         (len(toks), like.shape[-1]), 1.0 / like.shape[-1], dtype=like.dtype))
     pv = run()
     assert pv < 1e-6, f"the biased hybrid passed (p = {pv:.2e})"
+
+
+def test_hybrid_with_a_topk_tree_samples_exactly(vocab4_model):  # noqa: F811
+    """An EAGLE-2 dynamic tree (deterministic top-k children, sampling "topk") plus n-gram branches."""
+    io = target_io(vocab4_model)
+    torch.manual_seed(0)
+    head = eagle.build(eagle.Eagle3Config(layer_ids=[0, 1], draft_vocab_size=4, ttt_length=2), io)
+    pv = sampling_pvalue(vocab4_model, PROMPT4,
+                         lambda i: HybridDrafter(eagle.drafter(head, io, tree="dynamic", top_k=2, total_tokens=4)),
+                         samples=400, make_policy=lambda i: RandomPolicy(i, p_zero=0.1))
+    assert pv > 1e-3, f"chi-square p = {pv:.2e}"
