@@ -19,7 +19,8 @@ The model (eval.costs, per proposer s and depth d, the estimate a_s(d) of P(dept
 and the lengths l (each 0..k_max, the n-gram's capped by the match it actually has) with the highest
 E(l) * T(1) / time(l) are drafted; all zero is a plain pass (T(1), E = 1). A proposer left at 0 for
 `probe_every` passes in a row is given depth 1 once (a cheap re-probe: one extra verified token), so a
-request that becomes predictable gets drafts again. The prior is the calibration's acceptance, which is
+request that becomes predictable gets drafts again; while probes do not bring it back the gap doubles
+(8, 16, 32, 64 passes), so a drafter that never helps costs little more than plain decoding. The prior is the calibration's acceptance, which is
 what the calibrated k was chosen from; reset's k is the first pass's length.
 
 Exactness does not depend on any of this: the policy only chooses what is drafted (tests/test_policy.py).
@@ -38,6 +39,8 @@ from eval.speedup import extend_rates
 from heads.base import DraftTree
 
 __all__ = ["AdaptivePolicy", "measured_prior"]
+
+MAX_PROBE_GAP_FACTOR = 8  # re-probes back off from probe_every to at most 8 * probe_every plain passes
 
 
 def measured_prior(stats: GenerationStats) -> list[float]:
@@ -75,6 +78,7 @@ class AdaptivePolicy:
         self.accepted = {s: [0.0] * self.k_max for s in self.prior}
         self.judged = {s: [0.0] * self.k_max for s in self.prior}
         self.idle = dict.fromkeys(self.prior, 0)
+        self.gap = dict.fromkeys(self.prior, self.probe_every)  # plain passes before the next re-probe
         self.width = dict.fromkeys(self.prior, 1.0)  # draft nodes per depth (1 for chains)
 
     def rates(self, source: str) -> list[float]:
@@ -164,12 +168,13 @@ class AdaptivePolicy:
         else:
             choice = self.best_lengths(sources, limit)
         for s in sources:
-            if choice[s] or not limit[s]:
-                self.idle[s] = 0
-                continue
-            self.idle[s] += 1
-            if self.idle[s] >= self.probe_every:  # re-probe: one cheap draft token
-                choice[s], self.idle[s] = 1, 0
+            if choice[s]:  # drafting on its own merits: probing starts over
+                self.idle[s], self.gap[s] = 0, self.probe_every
+            elif limit[s]:
+                self.idle[s] += 1
+                if self.idle[s] >= self.gap[s]:  # re-probe with one cheap draft token, then wait twice as long
+                    choice[s], self.idle[s] = 1, 0
+                    self.gap[s] = min(2 * self.gap[s], MAX_PROBE_GAP_FACTOR * self.probe_every)
         if hasattr(drafter, "budgets"):
             drafter.budgets = dict(choice)
         return choice

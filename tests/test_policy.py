@@ -187,8 +187,9 @@ def test_adaptive_policy_backs_off_and_reprobes():
     for _ in range(20):
         pol.observe(miss, [])
     assert pol.rates("draft")[0] < 0.3
-    picks = [pol.choose(NgramDrafter(), 10)["draft"] for _ in range(6)]
-    assert picks == [0, 0, 1, 0, 0, 1]  # plain passes, and a one-token probe every third pass
+    picks = [pol.choose(NgramDrafter(), 10)["draft"] for _ in range(22)]
+    # plain passes, and one-token probes after 3, 6, 12 plain passes (the gap doubles while probes fail)
+    assert [i for i, k in enumerate(picks) if k] == [2, 8, 20] and set(picks) == {0, 1}
     for _ in range(20):
         pol.observe(miss, [0, 1, 2])
     assert pol.choose(NgramDrafter(), 10)["draft"] >= 3  # the request became predictable: drafts again
