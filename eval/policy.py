@@ -90,10 +90,11 @@ class AdaptivePolicy:
         return math.ceil(self.width[source] * length - 1e-9) if length else 0
 
     def _verify(self, n: int) -> float:
-        """T(n), memoised: choose prices up to (k_max + 1)^2 candidates every pass."""
+        """max(T(1..n)), memoised (choose prices up to (k_max + 1)^2 candidates every pass). A pass over more
+        tokens never costs less; a measured dip (noise on a loaded machine) must not buy longer drafts."""
         t = self._t.get(n)
         if t is None:
-            t = self._t[n] = self.verify(n)
+            t = self._t[n] = max(self.verify(n), self._verify(n - 1) if n > 1 else 0.0)
         return t
 
     def predicted_speedup(self, lengths: Mapping[str, int], reach: Mapping[str, list[float]] | None = None) -> float:

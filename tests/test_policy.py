@@ -203,6 +203,12 @@ def test_measured_prior_stops_at_the_first_untested_depth():
         [0.75, 0.5, 0.5, 0.5]
 
 
+def test_a_noisy_dip_in_the_verify_curve_does_not_buy_longer_drafts():
+    dip = VerifyCost({1: 0.057, 2: 0.09, 4: 0.07, 8: 0.2}, context_len=64)  # T(4) < T(2): noise
+    pol = AdaptivePolicy(dip, {"draft": DraftCost(0, 0)}, {"draft": [0.5]})
+    assert pol._verify(4) == pol._verify(2) == 0.09 and pol._verify(1) == 0.057
+
+
 def test_fast_length_search_is_the_cost_model_argmax():
     rng = random.Random(0)
     for trial in range(30):
