@@ -18,7 +18,9 @@ The model (eval.costs, per proposer s and depth d, the estimate a_s(d) of P(dept
     time(l)  = sum_{s: l_s > 0} D_s(nodes_s) + T(1 + sum_s nodes_s)     nodes_s = l_s * nodes per depth seen
 and the lengths l (each 0..k_max, the n-gram's capped by the match it actually has) with the highest
 E(l) * T(1) / time(l) are drafted; all zero is a plain pass (T(1), E = 1). A proposer left at 0 for
-`probe_every` passes in a row is given depth 1 once (a cheap re-probe: one extra verified token), so a
+`probe_every` passes in a row is given depth 1 once (a cheap re-probe: one extra verified token; a proposal
+known before drafting, the n-gram's match, is probed whole: it costs nothing to draft and its worth is in its
+deep positions, which one token would never measure), so a
 request that becomes predictable gets drafts again; while probes do not bring it back the gap doubles
 (8, 16, 32, 64 passes), so a drafter that never helps costs little more than plain decoding. The prior is the calibration's acceptance, which is
 what the calibrated k was chosen from; reset's k is the first pass's length.
@@ -159,10 +161,13 @@ class AdaptivePolicy:
         if set(sources) != set(self.prior):
             raise ValueError(f"AdaptivePolicy: the drafter's proposers {sources} are not the policy's {sorted(self.prior)}")
         cap = max(min(budget, self.k_max), 0)
-        limit = {}
+        limit, probe = {}, {}
         for s in sources:
             known = drafter.proposal(s, cap) if hasattr(drafter, "proposal") else None
             limit[s] = cap if known is None else min(known, cap)
+            # A proposal known before drafting (the n-gram's match) costs nothing to draft and its worth is in
+            # its deep positions, which a one-token probe would never measure: probe it whole.
+            probe[s] = 1 if known is None else limit[s]
         if self.first:
             choice = {s: min(self.first, limit[s]) for s in sources}
             self.first = 0
@@ -173,8 +178,8 @@ class AdaptivePolicy:
                 self.idle[s], self.gap[s] = 0, self.probe_every
             elif limit[s]:
                 self.idle[s] += 1
-                if self.idle[s] >= self.gap[s]:  # re-probe with one cheap draft token, then wait twice as long
-                    choice[s], self.idle[s] = 1, 0
+                if self.idle[s] >= self.gap[s]:  # re-probe (one cheap draft token), then wait twice as long
+                    choice[s], self.idle[s] = probe[s], 0
                     self.gap[s] = min(2 * self.gap[s], MAX_PROBE_GAP_FACTOR * self.probe_every)
         if hasattr(drafter, "budgets"):
             drafter.budgets = dict(choice)
