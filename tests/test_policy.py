@@ -196,6 +196,20 @@ def test_adaptive_policy_backs_off_and_reprobes():
     assert pol.choose(NgramDrafter(), 1)["draft"] <= 1  # never past the budget
 
 
+def test_a_known_proposal_is_reprobed_whole():
+    class Proposals:
+        SOURCES = ("head", "ngram")
+        budgets = None
+
+        def proposal(self, source, k):
+            return min(5, k) if source == "ngram" else None
+
+    pol = adaptive(("head", "ngram"), prior=0.05, probe_every=2)
+    pol.reset(0)
+    picks = [pol.choose(Proposals(), 10) for _ in range(2)]
+    assert picks == [{"head": 0, "ngram": 0}, {"head": 1, "ngram": 5}]  # the head probes 1 token, the n-gram all 5
+
+
 def test_measured_prior_stops_at_the_first_untested_depth():
     st = GenerationStats(accepted_per_position=[3, 1, 0], judged_per_position=[4, 2, 0])
     assert measured_prior(st) == [0.75, 0.5] and st.acceptance_rates == [0.75, 0.5, 0.0]
