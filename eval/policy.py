@@ -40,7 +40,7 @@ from eval.decoder import GenerationStats
 from eval.speedup import extend_rates
 from heads.base import DraftTree
 
-__all__ = ["AdaptivePolicy", "measured_prior"]
+__all__ = ["AdaptivePolicy", "isotonic", "measured_prior"]
 
 MAX_PROBE_GAP_FACTOR = 8  # re-probes back off from probe_every to at most 8 * probe_every plain passes
 
@@ -60,6 +60,25 @@ def measured_prior(stats: GenerationStats) -> list[float]:
     return out
 
 
+def isotonic(verify: VerifyCost) -> VerifyCost:
+    """The nondecreasing least-squares fit of a measured T(n) (pool adjacent violators).
+
+    A pass over more tokens never costs less, so a measured dip or spike is noise (a loaded machine); pooling
+    it with its neighbours keeps a dip from buying longer drafts and a spike from pricing out every longer
+    one. Example: T(1, 2, 4, 8) = 57, 90, 70, 200 ms -> 57, 80, 80, 200.
+    """
+    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours, means nondecreasing
+    ns = sorted(verify.seconds)
+    for n in ns:
+        blocks.append([verify.seconds[n], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return VerifyCost(dict(zip(ns, fitted)), verify.context_len)
+
+
 class AdaptivePolicy:
     """eval.decoder.DraftPolicy choosing per-proposer draft lengths from measured costs and running acceptance."""
 
@@ -69,7 +88,7 @@ class AdaptivePolicy:
             raise ValueError(f"AdaptivePolicy: costs {sorted(costs)} and prior {sorted(prior)} must name the same proposers")
         if k_max < 1 or prior_weight <= 0 or not 0 < decay <= 1 or probe_every < 1:
             raise ValueError("AdaptivePolicy: need k_max >= 1, prior_weight > 0, 0 < decay <= 1, probe_every >= 1")
-        self.verify, self.costs = verify, dict(costs)
+        self.verify, self.costs = isotonic(verify), dict(costs)
         self.prior = {s: extend_rates(a, k_max) for s, a in prior.items()}
         self.k_max, self.weight, self.decay, self.probe_every = k_max, prior_weight, decay, probe_every
         self._t: dict[int, float] = {}
@@ -92,11 +111,10 @@ class AdaptivePolicy:
         return math.ceil(self.width[source] * length - 1e-9) if length else 0
 
     def _verify(self, n: int) -> float:
-        """max(T(1..n)), memoised (choose prices up to (k_max + 1)^2 candidates every pass). A pass over more
-        tokens never costs less; a measured dip (noise on a loaded machine) must not buy longer drafts."""
+        """T(n) of the isotonic fit, memoised (choose prices up to (k_max + 1)^2 candidates every pass)."""
         t = self._t.get(n)
         if t is None:
-            t = self._t[n] = max(self.verify(n), self._verify(n - 1) if n > 1 else 0.0)
+            t = self._t[n] = self.verify(n)
         return t
 
     def predicted_speedup(self, lengths: Mapping[str, int], reach: Mapping[str, list[float]] | None = None) -> float:

@@ -37,7 +37,7 @@ from data.target import target_io
 from eval.costs import DraftCost, VerifyCost
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
 from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter, NgramDrafter, layer_prefix_model
-from eval.policy import AdaptivePolicy, measured_prior
+from eval.policy import AdaptivePolicy, isotonic, measured_prior
 from heads import eagle, medusa, mtp
 from heads.base import DraftTree
 
@@ -217,10 +217,14 @@ def test_measured_prior_stops_at_the_first_untested_depth():
         [0.75, 0.5, 0.5, 0.5]
 
 
-def test_a_noisy_dip_in_the_verify_curve_does_not_buy_longer_drafts():
+def test_the_verify_curve_is_priced_nondecreasing():
     dip = VerifyCost({1: 0.057, 2: 0.09, 4: 0.07, 8: 0.2}, context_len=64)  # T(4) < T(2): noise
+    assert isotonic(dip).seconds == pytest.approx({1: 0.057, 2: 0.08, 4: 0.08, 8: 0.2})
+    spike = VerifyCost({1: 0.1, 2: 0.3, 3: 0.15, 4: 0.15, 8: 0.2}, context_len=64)  # T(2) a spike: pooled, not max
+    assert isotonic(spike).seconds == pytest.approx({1: 0.1, 2: 0.2, 3: 0.2, 4: 0.2, 8: 0.2})
     pol = AdaptivePolicy(dip, {"draft": DraftCost(0, 0)}, {"draft": [0.5]})
-    assert pol._verify(4) == pol._verify(2) == 0.09 and pol._verify(1) == 0.057
+    ts = [pol._verify(n) for n in range(1, 12)]
+    assert ts == sorted(ts) and pol._verify(3) == pytest.approx(0.08)
 
 
 def test_fast_length_search_is_the_cost_model_argmax():
