@@ -158,6 +158,7 @@ class EvalConfig:
     temperature: list[float] = field(default_factory=lambda: [0.0])
     num_draft_tokens: int | None = None  # chain length k; null = choose from measured costs
     tree: str = "auto"  # auto | chain | static | dynamic
+    policy: str = "adaptive"  # adaptive (eval.policy: per-pass k from this request's acceptance) | fixed (k every pass)
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
 
 

@@ -32,6 +32,11 @@ Temperature, top-k and top-p shape the TARGET distribution (`target_distribution
 own warpers) exactly as in `plain_generate` and `model.generate`. Every draw takes its uniform on the
 generator's own device (`data.sampling.uniform`), so a CPU generator works for CUDA logits and vice versa.
 
+Drafting policy: with `policy` (eval.policy) the draft length of every pass is the policy's choice from
+what this request has accepted so far (0 = a plain one-token pass; the drafter still commits every pass,
+so it stays in sync and can draft again later). The policy only decides WHAT is drafted, never how it is
+judged, so the output is the same whatever it chooses (tests/test_policy.py, down to a random policy).
+
 KV cache (`cache=`): "dynamic" is transformers' DynamicCache; "static" preallocates every layer and, on CUDA,
 replays each verify size as a captured CUDA graph (eval.kvcache, which also owns the rollback). Both give the
 same tokens; the exactness tests run on both.
@@ -42,7 +47,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -53,6 +58,7 @@ from heads.base import Drafter, DraftTree
 from heads.tree import check_parents, is_chain, tree_depth
 
 __all__ = [
+    "DraftPolicy",
     "GenerationStats",
     "plain_generate",
     "residual_distribution",
@@ -84,6 +90,11 @@ class GenerationStats:
     judged_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     nodes_per_pass: list[int] = field(default_factory=list)  # draft nodes verified in each pass
+    # Passes per chosen draft length, per proposer ("draft" for a single drafter; "head" and "ngram" for a
+    # hybrid under a policy); 0 = a plain one-token pass. Keys are str in JSON.
+    chosen_k: dict[str, dict[int, int]] = field(default_factory=dict)
+    # Accepted draft tokens per proposer of their node (DraftTree.sources; "draft" when untagged).
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0  # drafter.begin/draft/commit
     verify_time_s: float = 0.0  # target forward + acceptance + cache rollback
@@ -140,6 +151,9 @@ class GenerationStats:
             n = max(len(a), len(b))
             setattr(out, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)])
         out.nodes_per_pass = self.nodes_per_pass + other.nodes_per_pass
+        out.chosen_k = {src: _add_counts(self.chosen_k.get(src, {}), other.chosen_k.get(src, {}))
+                        for src in {**self.chosen_k, **other.chosen_k}}
+        out.accepted_by_source = _add_counts(self.accepted_by_source, other.accepted_by_source)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,6 +162,27 @@ class GenerationStats:
         d.update(tau=self.tau, acceptance_rates=self.acceptance_rates, draft_rate=self.draft_rate,
                  tokens_per_s=self.tokens_per_s, decode_time_s=self.decode_time_s)
         return d
+
+
+def _add_counts(a: dict, b: dict) -> dict:
+    return {key: a.get(key, 0) + b.get(key, 0) for key in sorted({*a, *b})}
+
+
+class DraftPolicy(Protocol):
+    """Chooses each pass's draft length for one request at a time (eval.policy.AdaptivePolicy).
+
+    reset(k): a new request starts; k is the calibrated draft length (speculative_generate's k).
+    choose(drafter, budget) -> {proposer: length}: this pass's draft length per proposer, each <= budget
+        (0 = that proposer drafts nothing); the decoder passes the largest to drafter.draft (none > 0: a
+        plain pass). A policy may set per-proposer caps on the drafter (HybridDrafter.budgets).
+    observe(tree, accepted): what the target accepted of the tree it verified.
+    """
+
+    def reset(self, k: int) -> None: ...
+
+    def choose(self, drafter: Drafter, budget: int) -> dict[str, int]: ...
+
+    def observe(self, tree: DraftTree, accepted: list[int]) -> None: ...
 
 
 # ----------------------------------------------------------------------------------------------- sampling
@@ -292,18 +327,24 @@ def speculative_generate(
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     cache: str | KVCache = "dynamic",
+    policy: DraftPolicy | None = None,
 ) -> tuple[torch.Tensor, GenerationStats]:
     """Exact speculative decoding of one prompt (see the module docstring for the loop and the rules).
 
     input_ids [1, T] (or [T]); k is the draft length (chain length or tree depth) passed to drafter.draft,
-    0 = plain decoding through the same loop (the drafter is not called at all). Sampling uses `generator` for every target-side draw (the
-    drafter keeps its own). Returns (new token ids [n] long, GenerationStats); stops after an eos token
-    (kept) or max_new_tokens, exactly like plain_generate with the same arguments. cache: "dynamic", "static"
-    (eval.kvcache; static forwards are CUDA graphs on CUDA) or a cache object to reuse (see `new_kv`).
+    0 = plain decoding through the same loop (the drafter is not called at all). With a `policy`, k is its
+    starting point and the policy picks every pass's length (the drafter is begun and committed every pass).
+    Sampling uses `generator` for every target-side draw (the drafter keeps its own). Returns (new token
+    ids [n] long, GenerationStats); stops after an eos token (kept) or max_new_tokens, exactly like
+    plain_generate with the same arguments. cache: "dynamic", "static" (eval.kvcache; static forwards are
+    CUDA graphs on CUDA) or a cache object to reuse (see `new_kv`).
     """
     ids = _check_inputs(input_ids, max_new_tokens)
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
+    if policy is not None:
+        policy.reset(k)
+    uses_drafter = k > 0 or policy is not None
     eos = _eos_set(eos_token_id)
     capture = drafter.capture_layers
     dev = ids.device
@@ -316,14 +357,21 @@ def speculative_generate(
     out = [_next_token(logits[0, -1], temperature, top_k, top_p, generator)]
     stats.prefill_time_s = perf() - t0
     done = out[-1] in eos or len(out) >= max_new_tokens
-    if k > 0 and not done:  # k = 0 is plain decoding: the drafter is never asked
+    if uses_drafter and not done:  # k = 0 without a policy is plain decoding: the drafter is never asked
         td = perf()
         drafter.begin(ids, feats, out[-1])
         stats.draft_time_s += perf() - td
     while not done:
         td = perf()
         # Never draft past max_new_tokens: the pass itself always adds one token.
-        kk = min(k, max_new_tokens - len(out) - 1)
+        budget = max_new_tokens - len(out) - 1
+        chosen = {"draft": min(k, budget)} if policy is None else policy.choose(drafter, budget)
+        kk = max(chosen.values(), default=0)
+        if kk > budget:
+            raise ValueError(f"policy chose draft lengths {chosen} with only {budget} tokens left to make")
+        for src, n_src in chosen.items():
+            counts = stats.chosen_k.setdefault(src, {})
+            counts[n_src] = counts.get(n_src, 0) + 1
         tree = drafter.draft(kk, temperature) if kk > 0 else DraftTree.chain(torch.empty(0, dtype=torch.long))
         tv = perf()
         stats.draft_time_s += tv - td
@@ -345,13 +393,18 @@ def speculative_generate(
         last = accepted[-1] if accepted else -1
         tested = len(accepted) + int(len(accepted) < n and bool((tree.parents == last).any()))
         stats.record_pass(n, depth, len(accepted), tested)
+        for a in accepted:
+            src = tree.sources[a] if tree.sources is not None else "draft"
+            stats.accepted_by_source[src] = stats.accepted_by_source.get(src, 0) + 1
+        if policy is not None:
+            policy.observe(tree, accepted)
         draft_tokens = tree.tokens.tolist()
         new, done = _truncate_at_eos([draft_tokens[a] for a in accepted] + [nxt], eos)
         out.extend(new)
         if len(out) >= max_new_tokens:
             del out[max_new_tokens:]
             done = True
-        if not done and k > 0:
+        if not done and uses_drafter:
             tc = perf()
             # Features of [root, accepted...] in path order: rows 0 and a+1 of this pass.
             f = None if feats is None else feats.index(torch.tensor([0] + [a + 1 for a in accepted], device=dev))

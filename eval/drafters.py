@@ -9,6 +9,10 @@ All three implement heads.base.Drafter (begin / draft / commit) and draft chains
                                             KV cache rolled back to the accepted path on every commit
     self_speculative_drafter(target, n)     a ModelDrafter over the target's own first n decoder layers,
                                             final norm and lm_head (weights shared, no training, own cache)
+    HybridDrafter(head_drafter)             any drafter's tree with the n-gram proposal merged in as extra
+                                            branches (prefix-merged, verified in the same single pass)
+    DeferredSync(drafter)                   the drafter with its commits held back while a policy keeps it
+                                            from drafting, then handed over as one (same state, less work)
 
     from eval.decoder import speculative_generate
     ids, stats = speculative_generate(target, prompt, self_speculative_drafter(target, 8), k=3, max_new_tokens=64)
@@ -17,6 +21,7 @@ All three implement heads.base.Drafter (begin / draft / commit) and draft chains
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +31,7 @@ from eval.decoder import sample_token
 from eval.kvcache import KVCache, new_kv
 from heads.base import DraftTree, Features
 
-__all__ = ["ModelDrafter", "NgramDrafter", "layer_prefix_model", "self_speculative_drafter"]
+__all__ = ["DeferredSync", "HybridDrafter", "ModelDrafter", "deterministic_q", "NgramDrafter", "layer_prefix_model", "self_speculative_drafter"]
 
 
 def _empty_tree(device: torch.device | str = "cpu") -> DraftTree:
@@ -67,22 +72,27 @@ class NgramDrafter:
         for t in prompt_ids.reshape(-1).tolist() + [next_token]:
             self._append(t)
 
-    def draft(self, k: int, temperature: float) -> DraftTree:
-        self._draft = []
+    def lookup(self, k: int) -> list[int]:
+        """The up to k tokens that followed the latest earlier match of the longest matching suffix ([] if none)."""
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(self.tokens) > n:
                 start = self.index[n].get(tuple(self.tokens[-n:]))
                 if start is not None:
-                    self._draft = self.tokens[start:start + k]
-                    break
+                    return self.tokens[start:start + k]
+        return []
+
+    def draft(self, k: int, temperature: float) -> DraftTree:
+        self._draft = self.lookup(k) if k > 0 else []
         if not self._draft:
             return _empty_tree(self._device)
         return DraftTree.chain(torch.tensor(self._draft, dtype=torch.long, device=self._device))
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
-        for a in accepted:
-            self._append(self._draft[a])
-        self._append(next_token)
+        self.commit_tokens([self._draft[a] for a in accepted], features, next_token)
+
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        for t in list(tokens) + [next_token]:
+            self._append(int(t))
 
 
 class ModelDrafter:
@@ -149,14 +159,21 @@ class ModelDrafter:
         return DraftTree.chain(tokens, torch.stack(probs) if probs else None)
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
-        k, a = len(self._draft), len(accepted)
-        if k == 0:
-            self.pending.append(next_token)
+        self.commit_tokens([self._draft[a] for a in accepted], features, next_token)
+
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        tokens = [int(t) for t in tokens]
+        if not self._draft:  # nothing drafted since the last commit: the cache has not moved
+            self.pending += tokens + [int(next_token)]
             return
-        fed = k - 1  # d1..d(k-1) are in the cache; dk was only sampled
-        if a < fed:
-            self.kv.truncate(self.kv.length - (fed - a))
-        self.pending = ([self._draft[-1]] if a == k else []) + [next_token]
+        fed = len(self._draft) - 1  # d1..d(k-1) are in the cache; dk was only sampled
+        same = 0  # the cache rows of the drafted tokens the path agrees with are kept
+        while same < min(fed, len(tokens)) and tokens[same] == self._draft[same]:
+            same += 1
+        if same < fed:
+            self.kv.truncate(self.kv.length - (fed - same))
+        self.pending = tokens[same:] + [int(next_token)]
+        self._draft = []
 
 
 def layer_prefix_model(model: nn.Module, num_layers: int) -> nn.Module:
@@ -193,3 +210,146 @@ def self_speculative_drafter(model: nn.Module, num_layers: int, generator: torch
                              cache: str = "dynamic") -> ModelDrafter:
     """Draft with the target's first `num_layers` layers + final norm + lm_head (no training, own cache)."""
     return ModelDrafter(layer_prefix_model(model, num_layers), text_config(model.config).vocab_size, generator, cache)
+
+
+def deterministic_q(tokens: list[int], like: torch.Tensor) -> torch.Tensor:
+    """q rows [len(tokens), V] (dtype and device of `like`) one-hot on each token: how a deterministic draft
+    sits among sampled ones, since min(1, p/q) and max(p - q, 0) then reduce to the deterministic rule."""
+    q = torch.zeros(len(tokens), like.shape[-1], dtype=like.dtype, device=like.device)
+    q[torch.arange(len(tokens)), torch.tensor(tokens, device=like.device)] = 1.0
+    return q
+
+
+class DeferredSync:
+    """Wraps a drafter so that its commits wait while it does not draft (a policy gave it depth 0).
+
+    Consecutive commits with no draft between them are one commit of the joined path (tokens t1 + [next1] +
+    t2, features concatenated, next2): the drafter's state after it is the same. So the deferred commits are
+    handed over as ONE `commit_tokens` right before the next draft, and one head forward over m rows costs
+    less than m forwards of one row; a generation that never drafts again never pays for them. A commit
+    right after a draft goes through at once (the drafter rolls its own draft back).
+    """
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.capture_layers = inner.capture_layers
+        self._drafted = False
+        self._deferred: list[tuple[list[int], Features | None, int]] = []
+
+    def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
+        self._drafted, self._deferred = False, []
+        self.inner.begin(prompt_ids, features, next_token)
+
+    def flush(self) -> None:
+        """Hand the deferred commits to the drafter as one commit of the joined path."""
+        if not self._deferred:
+            return
+        path: list[int] = []
+        for tokens, _, nxt in self._deferred:
+            path += tokens + [nxt]
+        feats = [f for _, f, _ in self._deferred]
+        joined = None
+        if feats[0] is not None:
+            joined = Features(last=torch.cat([f.last for f in feats], dim=1),
+                              aux=None if feats[0].aux is None else torch.cat([f.aux for f in feats], dim=1))
+        self._deferred = []
+        self.inner.commit_tokens(path[:-1], joined, path[-1])
+
+    def draft(self, k: int, temperature: float) -> DraftTree:
+        if k <= 0:
+            return self.inner.draft(k, temperature)
+        self.flush()
+        self._drafted = True
+        return self.inner.draft(k, temperature)
+
+    def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
+        if self._drafted:
+            self._drafted = False
+            self.inner.commit(accepted, features, next_token)
+        else:  # nothing drafted since the last commit: nothing can have been accepted
+            self.commit_tokens([], features, next_token)
+
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        if self._drafted:
+            self._drafted = False
+            self.inner.commit_tokens(tokens, features, next_token)
+        else:
+            self._deferred.append(([int(t) for t in tokens], features, int(next_token)))
+
+
+class HybridDrafter:
+    """A drafter's tree (EAGLE chain or dynamic tree, Medusa static tree, MTP chain, ...) plus the n-gram's
+    proposal as extra branches, verified in one target pass.
+
+    The n-gram chain is prefix-merged into the head's tree: walking it from the root, a token that the
+    current node already has as a child (from the head) reuses that node (tagged "head+ngram"), otherwise
+    a new node is appended (tagged "ngram"), so no sibling is ever duplicated. Example: head chain [a b c],
+    n-gram [a b d e] -> nodes a b c (head) and d e under b; a and b are tagged "head+ngram".
+
+    Exactness: an n-gram node is a deterministic draft. In a tree without probs, or a "topk" tree, every node
+    is already judged by the deterministic rule. In an "iid" tree (a sampled chain) the n-gram node gets the
+    one-hot q on its token, for which min(1, p/q) and normalize(max(p - q, 0)) ARE the deterministic rule
+    (accept with p(y), then p with y zeroed); each sibling step keeps the law of what is left, whatever
+    decided that the sibling is there (tests/test_policy.py checks the law against a biased variant).
+
+    Sync: both proposers commit the accepted path by its tokens (`commit_tokens`), so the head follows a path
+    that came from an n-gram branch, reading the target's features of those positions as usual. The head is
+    wrapped in DeferredSync: while a policy gives it depth 0 its commits wait for its next draft.
+    `budgets` (set by eval.policy.AdaptivePolicy each pass) caps each proposer's depth; None = both use k.
+    """
+
+    SOURCES = ("head", "ngram")
+
+    def __init__(self, head: Any, ngram: NgramDrafter | None = None):
+        self.head = head if isinstance(head, DeferredSync) else DeferredSync(head)
+        self.ngram = ngram if ngram is not None else NgramDrafter()
+        self.capture_layers = head.capture_layers
+        self.budgets: dict[str, int] | None = None
+        self._tokens: list[int] = []
+
+    def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
+        self.head.begin(prompt_ids, features, next_token)
+        self.ngram.begin(prompt_ids, None, next_token)
+        self._tokens = []
+
+    def proposal(self, source: str, k: int) -> int | None:
+        """How deep `source` would draft with k allowed, if known before drafting (the n-gram's match), else None."""
+        return len(self.ngram.lookup(k)) if source == "ngram" else None
+
+    def draft(self, k: int, temperature: float) -> DraftTree:
+        budgets = self.budgets or {}
+        kh, kn = min(k, budgets.get("head", k)), min(k, budgets.get("ngram", k))
+        head = self.head.draft(kh, temperature) if kh > 0 else _empty_tree(self.ngram._device)
+        tokens, parents = head.tokens.tolist(), head.parents.tolist()
+        sources = ["head"] * len(tokens)
+        child: dict[tuple[int, int], int] = {}
+        for i, (par, tok) in enumerate(zip(parents, tokens)):
+            child.setdefault((par, tok), i)
+        node = -1
+        for tok in self.ngram.lookup(kn) if kn > 0 else []:
+            nxt = child.get((node, tok))
+            if nxt is None:
+                nxt = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                sources.append("ngram")
+                child[(node, tok)] = nxt
+            elif sources[nxt] == "head":
+                sources[nxt] = "head+ngram"
+            node = nxt
+        self._tokens = tokens
+        dev = head.tokens.device
+        probs = head.probs
+        extra = len(tokens) - len(head)
+        if probs is not None and extra:
+            probs = torch.cat([probs, deterministic_q(tokens[len(head):], probs)])
+        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=dev),
+                         torch.tensor(parents, dtype=torch.long, device=dev), probs, head.sampling, sources)
+
+    def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
+        self.commit_tokens([self._tokens[a] for a in accepted], features, next_token)
+
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        self.head.commit_tokens(tokens, features, next_token)
+        self.ngram.commit_tokens(tokens, None, next_token)
+        self._tokens = []

@@ -4,7 +4,9 @@ Files written into the run folder by `write_report(report, out_dir)`:
   report.json                  everything eval.run measured (benchmarks.<name>.tau / .speedup /
                                .acceptance_per_position, speedup_model.best_k / .predicted / .measured,
                                batch_sweep, costs, ...)
-  report.md                    a table per benchmark, the speedup model, the batch sweep
+  report.md                    a table per benchmark, what the drafting policy did (chosen draft lengths,
+                               share of passes that drafted, accepted tokens by proposer), the speedup
+                               model, the batch sweep
   acceptance_per_position.png  conditional acceptance at each draft position, per benchmark
   tau_by_category.png          tau per category, per benchmark
   speedup_vs_k.png             predicted speedup for each k, and the measured one at the k that ran
@@ -79,6 +81,7 @@ def markdown(report: dict[str, Any]) -> str:
             for m, r in t["baselines"].items():
                 lines.append(_row(m, "all", r))
             lines.append("")
+    lines += _policy_lines(report)
     sm = report["speedup_model"]
     dc = sm["draft_cost"]
     lines += [
@@ -119,6 +122,31 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "Speculation stops paying at batch size **"
               + (f"{cross}**." if cross is not None else "none in this range** (it pays at every batch size tried)."), ""]
     return "\n".join(lines)
+
+
+def _counts(d: dict[str, int] | None) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in d.items()) if d else "-"
+
+
+def _policy_lines(report: dict[str, Any]) -> list[str]:
+    """Per benchmark and category: the chosen draft lengths, drafted share and accepted tokens by proposer."""
+    lines = ["## Drafting policy", "",
+             f"Policy **{report.get('policy', 'fixed')}** (eval.policy). chosen k = passes per draft length per "
+             "proposer (0 = a plain one-token pass); drafted = share of passes that verified a draft; accepted = "
+             "accepted draft tokens by the proposer of their node (head+ngram = both proposed it).", "",
+             "| benchmark | method | category | passes | drafted | chosen k | accepted by proposer |",
+             "|---|---|---|---|---|---|---|"]
+    for name, b in report["benchmarks"].items():
+        rows = [(report["drafter"], b)] + [(m, r) for m, r in b.get("baselines", {}).items() if r.get("chosen_k")]
+        for method, r in rows:
+            cats = r.get("categories") or {}
+            for cat, c in [("all", r)] + (list(cats.items()) if len(cats) > 1 else []):
+                if not c.get("chosen_k") and not c.get("target_passes"):
+                    continue
+                ks = "; ".join(f"{src} {{{_counts(v)}}}" for src, v in (c.get("chosen_k") or {}).items())
+                lines.append(f"| {name} | {method} | {cat} | {c.get('target_passes')} | {_f(c.get('draft_rate'))} | "
+                             f"{ks or '-'} | {_counts(c.get('accepted_by_source'))} |")
+    return lines + [""]
 
 
 # ----------------------------------------------------------------------------------------------- plots

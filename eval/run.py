@@ -3,6 +3,7 @@
     python -m eval.run --head runs/tiny/head --bench mt_bench --max-questions 2 --out runs/tiny/eval
     python -m eval.run --head runs/qs/head --bench mt_bench,humaneval,gsm8k --temperature 0,1 --out runs/qs/eval
     python -m eval.run --drafter ngram --target tiny-random-llama --bench gsm8k --max-questions 2 --out /tmp/ev
+    python -m eval.run --head runs/qs/head --drafter head+ngram --bench mt_bench,humaneval,gsm8k --out runs/qs/eval
     python -m eval.run --config configs/tiny-eagle.yaml --head runs/tiny/head --eval.max_new_tokens=16
     python -m eval.run --head runs/qs/head --bench gsm8k --engine vllm --out runs/qs/eval-vllm   # + vLLM
 
@@ -12,9 +13,14 @@ turn; a later turn sees the target's own PLAIN-decoded answers to the earlier on
 For every turn all methods run back to back, the first method rotating from turn to turn, so machine
 noise hits plain and speculative decoding alike:
   plain             token-by-token decoding (eval.decoder.plain_generate), the speedup reference
-  head | ngram      the drafter under evaluation through the exact speculative decoder
-  ngram             baseline: prompt lookup through the same decoder (when the drafter is a head)
-  hf_prompt_lookup  baseline: transformers' own prompt-lookup assisted generation (greedy turns only)
+  head | ngram | head+ngram   the drafter under evaluation through the exact speculative decoder; head+ngram
+                    is the head's tree with the n-gram proposal merged in as extra branches
+                    (eval.drafters.HybridDrafter), and then the head alone runs beside it as well
+  ngram             baseline: prompt lookup through the same decoder at its own calibrated k (fixed)
+  hf_prompt_lookup  baseline: transformers' own prompt-lookup assisted generation at that k (greedy turns only)
+With eval.policy "adaptive" (the default) the head-based methods (and the n-gram when it is the drafter
+under evaluation) choose every pass's draft length per request (eval.policy.AdaptivePolicy: calibrated
+acceptance as the prior, the measured T(n) and draft cost), down to plain passes; "fixed" drafts k every pass.
 tau is tokens per target forward pass counting the corrected or bonus token (SGLang's accept_length,
 EAGLE's tau); tokens/s and speedup are end to end per turn (prefill included); decode_speedup leaves
 prefill out and is what the speedup model predicts. Outputs in --out: report.json, report.md, *.png,
@@ -56,12 +62,15 @@ from eval.batch import sweep
 from eval.bench import bench_name, load_questions
 from eval.costs import calibrate, choose_k, ideal_speedup, measure_verify_cost
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
-from eval.drafters import NgramDrafter
+from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter
+from eval.policy import AdaptivePolicy, measured_prior
 from eval.report import write_report
 from eval.speedup import speedup_model
 from heads.base import Drafter, family_module, load_head, read_head_config
 
 BASELINES = ("ngram", "hf_prompt_lookup")
+DRAFTERS = ("head", "ngram", "head+ngram")
+POLICIES = ("adaptive", "fixed")
 TAU_DEFINITION = "tokens per target forward pass, counting the corrected or bonus token (prefill excluded)"
 
 
@@ -121,6 +130,11 @@ def _summary(stats: GenerationStats | None, plain: GenerationStats, identical: l
         "mean_nodes_per_pass": (sum(stats.nodes_per_pass) / len(stats.nodes_per_pass)) if stats.nodes_per_pass else 0.0,
         "turns": stats.generations,
         "identical": (all(identical) if identical else None),
+        # What the drafting policy did: passes per chosen draft length (per proposer; 0 = a plain pass),
+        # the share of passes that verified any draft, and accepted draft tokens per proposer.
+        "draft_rate": stats.draft_rate,
+        "chosen_k": {src: {str(n): c for n, c in sorted(ks.items())} for src, ks in sorted(stats.chosen_k.items())},
+        "accepted_by_source": dict(sorted(stats.accepted_by_source.items())),
     }
     return out
 
@@ -155,18 +169,23 @@ class _Tally:
         return [x for (m, b, c), v in self.identical.items() for x in v
                 if m == method and (bench is None or b == bench) and (cat is None or c == cat)]
 
+    def categories(self, method: str, bench: str) -> dict[str, Any]:
+        return {cat: _summary(self.merged(method, bench, cat), self.merged("plain", bench, cat),
+                              self.identical_all(method, bench, cat))
+                for cat in sorted({c for (m, b, c) in self.stats if b == bench and m == method})}
+
     def table(self, methods: Sequence[str], bench: str) -> dict[str, Any]:
         """benchmarks.<bench> for this temperature: the evaluated method's row, categories, baselines."""
         plain = self.merged("plain", bench)
         main = methods[0]
         row = _summary(self.merged(main, bench), plain, self.identical_all(main, bench))
-        row["categories"] = {}
-        for cat in sorted({c for (m, b, c) in self.stats if b == bench and m == main}):
-            row["categories"][cat] = _summary(self.merged(main, bench, cat), self.merged("plain", bench, cat),
-                                              self.identical_all(main, bench, cat))
+        row["categories"] = self.categories(main, bench)
         row["plain"] = {"tokens_per_s": plain.tokens_per_s, "new_tokens": plain.new_tokens, "turns": plain.generations}
         row["baselines"] = {m: _summary(self.merged(m, bench), plain, self.identical_all(m, bench))
                             for m in methods[1:] if self.merged(m, bench) is not None}
+        for m, r in row["baselines"].items():
+            if m not in BASELINES:  # the head alone beside head+ngram: its policy per category too
+                r["categories"] = self.categories(m, bench)
         if "hf_prompt_lookup" in row["baselines"]:
             # generate() does not expose its passes: no tau or acceptance for it (not 1.0, which would lie).
             row["baselines"]["hf_prompt_lookup"].update(tau=None, acceptance_per_position=None, target_passes=None,
@@ -225,7 +244,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """Run the whole eval and write the report files into out_dir; returns the report dict (report.json).
 
-    head_dir: a head folder (drafter "head"), or None with drafter "ngram" (prompt lookup alone).
+    head_dir: a head folder (drafter "head" or "head+ngram"), or None with drafter "ngram" (prompt lookup alone).
     target_cfg: the target to load (default: the one named in the head's config.json; for drafter
     "ngram" without a head it is required). loaded: (model, tokenizer, TargetIO) already in memory, used
     instead of loading (the head is still checked against it). engine "vllm": also serve the head in vLLM
@@ -233,10 +252,12 @@ def evaluate(
     for another target, EvalError / DataError / TargetLoadError for bad input.
     """
     out = Path(out_dir)
-    if drafter not in ("head", "ngram"):
-        raise EvalError(f"--drafter must be head or ngram, got '{drafter}'")
-    if drafter == "head" and head_dir is None:
-        raise EvalError("--drafter head needs --head PATH (or use --drafter ngram)")
+    if drafter not in DRAFTERS:
+        raise EvalError(f"--drafter must be one of {', '.join(DRAFTERS)}, got '{drafter}'")
+    if drafter != "ngram" and head_dir is None:
+        raise EvalError(f"--drafter {drafter} needs --head PATH (or use --drafter ngram)")
+    if cfg_eval.policy not in POLICIES:
+        raise EvalError(f"eval.policy must be one of {', '.join(POLICIES)}, got '{cfg_eval.policy}'")
     unknown = sorted(set(baselines) - set(BASELINES))
     if unknown:
         raise EvalError(f"unknown baseline '{unknown[0]}' (known: {', '.join(BASELINES)})")
@@ -269,8 +290,10 @@ def evaluate(
     if head_dir is not None:
         head, head_cfg, head_meta = load_head(head_dir, io)  # refuses another target's head, naming why
         head.to(device=device, dtype=next(model.parameters()).dtype)  # the drafter reads the target's features
-    main = drafter if drafter == "ngram" else (head_cfg.family if head_cfg is not None else "head")
-    methods = [main] + [b for b in baselines if b != main]
+    hybrid = drafter == "head+ngram"
+    family = head_cfg.family if head_cfg is not None else "head"
+    main = "ngram" if drafter == "ngram" else f"{family}+ngram" if hybrid else family
+    methods = [main] + ([family] if hybrid else []) + [b for b in baselines if b != main]
 
     eos = _eos_ids(tok, model)
     first = next(iter(questions.values()))[0]
@@ -283,31 +306,52 @@ def evaluate(
     def factory(kk: int) -> Callable[[], Drafter]:
         return NgramDrafter if drafter == "ngram" else _head_drafter_factory(head, head_cfg, io, cfg_eval.tree, kk)
 
-    # Calibration: acceptance per depth at k = 8 and the draft cost line (fixed + per token), off-benchmark.
-    cal = calibrate(model, factory(8)(), calibration_prompts(tok, device), k=8, max_new_tokens=32, eos_token_id=eos)
+    # Calibration: acceptance per depth at k = 8 and the draft cost line (fixed + per token), off-benchmark;
+    # for a hybrid the head's (here) and the n-gram's (below) separately: the policy's prior per proposer.
+    cal_prompts = calibration_prompts(tok, device)
+    cal = calibrate(model, factory(8)(), cal_prompts, k=8, max_new_tokens=32, eos_token_id=eos)
     best_k, best_speedup = choose_k(cal.acceptance, verify, cal.draft_cost, k_max=8, draft_rate=cal.draft_rate)
     if best_k > 0 and max(cal.stats.nodes_per_pass, default=0) > 8:
         # A tree verifies more nodes than its depth, which choose_k (a chain model) does not price: re-run the
         # calibration at the chosen depth and price its real node counts; plain decoding wins if it is faster.
-        check = calibrate(model, factory(best_k)(), calibration_prompts(tok, device), k=best_k, max_new_tokens=32,
-                          eos_token_id=eos)
+        check = calibrate(model, factory(best_k)(), cal_prompts, k=best_k, max_new_tokens=32, eos_token_id=eos)
         best_speedup = ideal_speedup(check.stats, verify, check.draft_cost)
         if best_speedup < 1.0:
             best_k, best_speedup = 0, 1.0
+    cal_ng = cal if drafter == "ngram" else calibrate(model, NgramDrafter(), cal_prompts, k=8, max_new_tokens=32,
+                                                      eos_token_id=eos)
+    k_ng = max(choose_k(cal_ng.acceptance, verify, cal_ng.draft_cost, k_max=8, draft_rate=cal_ng.draft_rate)[0], 1)
     costs: dict[str, Any] = {
         "verify_s": {str(n): v for n, v in verify.seconds.items()},
         "verify_context_tokens": verify.context_len,
         "draft_cost": {"fixed_s": cal.draft_cost.fixed_s, "per_token_s": cal.draft_cost.per_token_s},
         "calibration": {"prompts": str(CALIBRATION_FILE.name), "acceptance_per_position": cal.acceptance,
                         "draft_rate": cal.draft_rate, "chosen_k": best_k, "predicted_speedup": best_speedup},
+        "ngram_calibration": {"acceptance_per_position": cal_ng.acceptance, "draft_rate": cal_ng.draft_rate,
+                              "draft_cost": {"fixed_s": cal_ng.draft_cost.fixed_s,
+                                             "per_token_s": cal_ng.draft_cost.per_token_s},
+                              "chosen_k": k_ng},
     }
     if k is None:
         # choose_k returns 0 when plain decoding is predicted fastest; the eval still measures k = 1 then.
         k = max(best_k, 1)
-    make_main = factory(k)
+    make_head = factory(k)
+    if drafter == "ngram":
+        k_ng = k
+
+    def policy_for(name: str) -> AdaptivePolicy | None:
+        """A fresh per-request policy for a method (None: fixed k); the n-gram baseline keeps its fixed k."""
+        if cfg_eval.policy != "adaptive" or name in BASELINES and name != main:
+            return None
+        if name.endswith("+ngram"):
+            return AdaptivePolicy(verify, {"head": cal.draft_cost, "ngram": cal_ng.draft_cost},
+                                  {"head": measured_prior(cal.stats), "ngram": measured_prior(cal_ng.stats)})
+        return AdaptivePolicy(verify, {"draft": cal.draft_cost}, {"draft": measured_prior(cal.stats)})
+
     log(f"eval: target {target_cfg.name_or_path}, drafter {main}, k {k} "
         f"({'config' if cfg_eval.num_draft_tokens else 'chosen from measured costs and calibration'}), "
-        f"methods {', '.join(['plain'] + methods)}, benchmarks {', '.join(questions)}")
+        f"policy {cfg_eval.policy}, n-gram baseline k {k_ng}, methods {', '.join(['plain'] + methods)}, "
+        f"benchmarks {', '.join(questions)}")
 
     by_temp: dict[str, dict[str, Any]] = {}
     tallies: dict[str, _Tally] = {}
@@ -337,11 +381,16 @@ def evaluate(
                         if name == "plain":
                             results[name] = plain_generate(model, ids, **common)
                         elif name == "hf_prompt_lookup":
-                            results[name] = _hf_prompt_lookup(model, ids, k, cfg_eval.max_new_tokens, eos,
+                            results[name] = _hf_prompt_lookup(model, ids, k_ng, cfg_eval.max_new_tokens, eos,
                                                               tok.pad_token_id)
+                        elif name == "ngram":
+                            results[name] = speculative_generate(model, ids, NgramDrafter(), k_ng,
+                                                                 policy=policy_for(name), **common)
                         else:
-                            d = NgramDrafter() if name == "ngram" else make_main()
-                            results[name] = speculative_generate(model, ids, d, k, **common)
+                            # Under a policy the head's commits wait while it does not draft (DeferredSync).
+                            d = HybridDrafter(make_head()) if name == main and hybrid else \
+                                DeferredSync(make_head()) if cfg_eval.policy == "adaptive" else make_head()
+                            results[name] = speculative_generate(model, ids, d, k, policy=policy_for(name), **common)
                     plain_ids = results["plain"][0]
                     for name, (new, st) in results.items():
                         same = bool(torch.equal(new.cpu(), plain_ids.cpu())) if temp == 0 else None
@@ -409,6 +458,8 @@ def evaluate(
         "k_source": "eval.num_draft_tokens" if cfg_eval.num_draft_tokens is not None
         else "eval.costs.choose_k: calibration acceptance and draft cost, measured verify curve",
         "tree": cfg_eval.tree,
+        "policy": cfg_eval.policy,
+        "ngram_k": k_ng,
         "tau_definition": TAU_DEFINITION,
         "speedup_definition": "speculative tokens/s over plain tokens/s of the same target on the same turns in "
                               "the same run (interleaved); end to end per turn, decode_speedup without prefill",
@@ -444,7 +495,10 @@ def _ints(text: str) -> list[int]:
 
 def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", help="head folder (config.json + model.safetensors)")
-    p.add_argument("--drafter", choices=("head", "ngram"), help="what to evaluate (default: head if --head, else ngram)")
+    p.add_argument("--drafter", choices=DRAFTERS, help="what to evaluate (default: head if --head, else ngram); "
+                   "head+ngram merges the n-gram proposal into the head's tree and runs the head alone beside it")
+    p.add_argument("--policy", choices=POLICIES, help="adaptive: per-pass draft length from the request's acceptance "
+                   "(default); fixed: k every pass")
     p.add_argument("--target", help="target name_or_path (default: the head's own target, or the config's)")
     p.add_argument("--bench", help="comma-separated: mt_bench, humaneval, gsm8k or question files")
     p.add_argument("--temperature", type=_floats, help="comma-separated temperatures, e.g. 0,1")
@@ -472,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
         ev.bench = [b.strip() for b in args.bench.split(",") if b.strip()]
     for flag, field_name in (("temperature", "temperature"), ("max_new_tokens", "max_new_tokens"),
                              ("max_questions", "max_questions"), ("k", "num_draft_tokens"),
-                             ("batch_sizes", "batch_sizes")):
+                             ("batch_sizes", "batch_sizes"), ("policy", "policy")):
         if getattr(args, flag) is not None:
             setattr(ev, field_name, getattr(args, flag))
     drafter = args.drafter or ("head" if args.head else "ngram")

@@ -192,6 +192,9 @@ class DraftTree:
             at its parent, over the TARGET vocab). None means deterministic drafts (q one-hot on the token).
     sampling: how siblings were drawn when probs is given: "iid" (each child an independent sample of q,
             SpecInfer) or "topk" (distinct top-k children, EAGLE): the verifier treats them differently.
+    sources [N] str or None: which proposer each node came from ("head", "ngram", "head+ngram" for a node
+            both proposed; eval.drafters.HybridDrafter); None = the drafter itself. Only statistics and
+            the decoder's policy read it, never the verifier.
     A chain of k tokens is tokens [k], parents [-1, 0, 1, ..., k-2].
     """
 
@@ -199,6 +202,7 @@ class DraftTree:
     parents: torch.Tensor
     probs: torch.Tensor | None = None
     sampling: str = "iid"
+    sources: list[str] | None = None
 
     @staticmethod
     def chain(tokens: torch.Tensor, probs: torch.Tensor | None = None) -> DraftTree:
@@ -221,6 +225,11 @@ class Drafter(Protocol):
           indices on the accepted path (possibly empty); `features` has len(accepted)+1 positions: the
           root's and each accepted node's, in path order; next_token is the corrected or bonus token,
           the new root. The drafter must roll its own state (caches) back to the accepted path.
+      commit_tokens(tokens, features, next_token): the same with the accepted path given by its TOKENS,
+          which need not be a path of this drafter's last draft (or there was no draft at all). The
+          hybrid drafter (eval.drafters.HybridDrafter) uses it when the accepted path left this drafter's
+          own nodes for another proposer's. Every drafter in this project implements it; the decoder alone
+          only ever calls commit.
     """
 
     # hidden_states indices the drafter needs from every target pass (`aux`); None = no features at all,
@@ -232,6 +241,8 @@ class Drafter(Protocol):
     def draft(self, k: int, temperature: float) -> DraftTree: ...
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None: ...
+
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None: ...
 
 
 # ----------------------------------------------------------------------------------------------- folders

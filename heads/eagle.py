@@ -597,11 +597,14 @@ class EagleDrafter:
         ids = prompt_ids.reshape(-1).tolist()
         self._extend(ids[1:] + [int(next_token)], features)
 
-    @torch.no_grad()
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
-        tokens = [self.tree_tokens[i] for i in accepted] + [int(next_token)]
+        self.commit_tokens([self.tree_tokens[i] for i in accepted], features, next_token)
+
+    @torch.no_grad()
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        # Draft rows are never kept, so any path is committed alike: its rows come from the target's features.
         self.tree_tokens = []
-        self._extend(tokens, features)
+        self._extend([int(t) for t in tokens] + [int(next_token)], features)
 
     def _pick(self, logits: torch.Tensor, temperature: float) -> tuple[int, torch.Tensor | None]:
         if temperature <= 0:

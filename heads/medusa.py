@@ -177,8 +177,11 @@ class MedusaDrafter:
         return tree.build(candidates, probs)
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
-        if features is None or features.last.shape[1] != len(accepted) + 1:
-            raise ValueError(f"commit: expected features for {len(accepted) + 1} positions")
+        self.commit_tokens(accepted, features, next_token)  # only the path's length matters here
+
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        if features is None or features.last.shape[1] != len(tokens) + 1:
+            raise ValueError(f"commit: expected features for {len(tokens) + 1} positions")
         self.last = features.last[0, -1]  # the last accepted node (or the old root): the new root's parent
 
 

@@ -340,9 +340,13 @@ class MTPDrafter:
         a = len(accepted)
         if list(accepted) != list(range(a)) or a > len(self.drafted):
             raise ValueError(f"commit: accepted {accepted} is not a prefix of the {len(self.drafted)}-token chain")
-        if features is None or features.last.shape[1] != a + 1:
-            raise ValueError(f"commit: expected features for {a + 1} positions")
-        self.tokens += self.drafted[:a] + [int(next_token)]
+        self.commit_tokens(self.drafted[:a], features, next_token)
+
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        # Caches hold committed positions only (draft positions are cropped in draft), so any path commits alike.
+        if features is None or features.last.shape[1] != len(tokens) + 1:
+            raise ValueError(f"commit: expected features for {len(tokens) + 1} positions")
+        self.tokens += [int(t) for t in tokens] + [int(next_token)]
         self.hidden = torch.cat([self.hidden, features.last[0].to(self.dtype)])
         self.drafted = []
 

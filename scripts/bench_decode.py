@@ -3,6 +3,7 @@
     python scripts/bench_decode.py --json out.json                  # n-gram + self-speculative drafters
     python scripts/bench_decode.py --head runs/eagle3 --json out.json   # plus a trained head's drafter
     python scripts/bench_decode.py --max-new-tokens 64 --num-prompts 2 --threads 1
+    python scripts/bench_decode.py --no-self --json out.json        # skip the (slow) self-speculative rows
 
 Steps: measure the verify cost curve T(k) and plain greedy decoding with our loop (the reference outputs);
 run transformers' own generate, plain and with prompt_lookup_num_tokens=10, on the same prompts; for each
@@ -14,10 +15,16 @@ Prompts (with the target's chat template) cycle through: a code edit that copies
 smallest match length) is calibrated in each and the variant with the best predicted speedup runs.
 When the cost model says drafting does not pay (k = 0: plain decoding), a forced k = 1 run is reported
 as `forced_k1` so the drafter's tau and overhead are still measured.
+Adaptive rows (`<name>_adaptive`) run the same drafter under eval.policy.AdaptivePolicy (per-pass k from the
+request's own acceptance, its calibration as the prior, starting at the calibrated k). Hybrid rows
+(`<base>+ngram`, adaptive) merge the n-gram proposal into the base drafter's tree (eval.drafters.HybridDrafter;
+the base is the trained head with --head, else the self-speculative draft), each proposer priced with its
+own calibration; they report the accepted tokens per proposer and the chosen k per proposer.
 
 JSON keys: plain_tokens_per_s, hf_plain_tokens_per_s, hf_prompt_lookup_tokens_per_s,
 hf_prompt_lookup_speedup, drafters.<name>.{tokens_per_s, speedup, tau, outputs_identical, k,
-acceptance_rates, predicted_speedup, ideal_speedup, overhead_ratio, ...}, overhead_ratio.<name>,
+acceptance_rates, predicted_speedup, ideal_speedup, overhead_ratio, chosen_k, accepted_by_source, ...},
+overhead_ratio.<name>,
 verify_cost_ms.<k>. speedup = tokens/s over plain greedy with our loop (whole generation, prefill included);
 overhead_ratio = measured decode-phase speedup / ideal speedup from measured tau, T(k) and draft cost.
 """
@@ -25,6 +32,7 @@ overhead_ratio = measured decode-phase speedup / ideal speedup from measured tau
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import json
 import os
@@ -52,7 +60,8 @@ from eval.costs import (  # noqa: E402
     measure_verify_cost,
 )
 from eval.decoder import GenerationStats, plain_generate, speculative_generate  # noqa: E402
-from eval.drafters import NgramDrafter, self_speculative_drafter  # noqa: E402
+from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter, self_speculative_drafter  # noqa: E402
+from eval.policy import AdaptivePolicy, measured_prior  # noqa: E402
 
 BUNDLED = ROOT / "data" / "bundled"
 
@@ -112,12 +121,24 @@ class Plan:
         self.variant, self.make, self.k, self.predicted, self.cal = best
         # When the cost model picks plain decoding (k = 0), k = 1 is also run to measure the drafter anyway.
         self.ks = [self.k] if self.k > 0 else [0, 1]
+        self.policy = None
         self.outs: dict[int, list[list[int]]] = {k: [] for k in self.ks}
         self.stats: dict[int, GenerationStats] = {k: GenerationStats() for k in self.ks}
 
+    def adaptive(self, name: str, make, policy) -> Plan:
+        """A row running `make` under policy(self) (a fresh AdaptivePolicy per prompt), starting at this plan's
+        calibrated k (at least 1); it reuses this plan's calibration (variant, k, draft cost, prediction)."""
+        new = copy.copy(self)
+        new.name, new.make, new.policy = name, make, policy
+        new.ks = [max(self.k, 1)]
+        new.outs, new.stats = {new.ks[0]: []}, {new.ks[0]: GenerationStats()}
+        return new
+
     def run(self, model, ids: torch.Tensor, args, eos) -> None:
         for k in self.ks:
-            out, st = speculative_generate(model, ids, self.make(), k, args.max_new_tokens, eos_token_id=eos)
+            policy = None if self.policy is None else self.policy()
+            out, st = speculative_generate(model, ids, self.make(), k, args.max_new_tokens, eos_token_id=eos,
+                                           policy=policy)
             self.outs[k].append(out.tolist())
             self.stats[k] = self.stats[k].merge(st)
 
@@ -136,6 +157,8 @@ class Plan:
             "draft_rate": round(st.draft_rate, 3),
             "ideal_speedup": round(ideal, 3),
             "overhead_ratio": round(measured_decode / ideal, 3) if k > 0 else None,
+            "chosen_k": {src: {str(n): c for n, c in sorted(v.items())} for src, v in st.chosen_k.items()},
+            "accepted_by_source": st.accepted_by_source,
             "draft_time_s": round(st.draft_time_s, 3),
             "verify_time_s": round(st.verify_time_s, 3),
             "new_tokens": st.new_tokens,
@@ -174,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--calib-k", type=int, default=10, help="draft length of the calibration runs")
     ap.add_argument("--calib-tokens", type=int, default=48, help="new tokens per calibration prompt")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--no-self", action="store_true", help="skip the self-speculative rows (slow on a CPU)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,18 +221,31 @@ def main(argv: list[str] | None = None) -> dict:
         drafters = {
             "ngram": ({f"n={n_min}..3": (lambda n_min=n_min: NgramDrafter(n_max=3, n_min=n_min))
                        for n_min in (1, 2)}, args.calib_k),
-            "self_speculative": ({f"{args.self_layers} layers": lambda: self_speculative_drafter(
-                model, args.self_layers)}, min(args.calib_k, 4)),
         }
+        if not args.no_self:
+            drafters["self_speculative"] = ({f"{args.self_layers} layers": lambda: self_speculative_drafter(
+                model, args.self_layers)}, min(args.calib_k, 4))
+        base = "self_speculative" if not args.no_self else None
         if args.head:
             from heads.base import family_module, load_head
 
             head, cfg, _ = load_head(args.head, io)
             family = family_module(cfg.family)
-            drafters[f"head_{cfg.family}"] = ({str(args.head): lambda: family.drafter(head, io)},
-                                              min(args.calib_k, 6))
-        plans = [Plan(name, variants, ck, model, calib_prompts, verify, args, eos)
-                 for name, (variants, ck) in tqdm(drafters.items(), desc="calibrating", leave=False)]
+            base = f"head_{cfg.family}"
+            drafters[base] = ({str(args.head): lambda: family.drafter(head, io)}, min(args.calib_k, 6))
+        plans = {name: Plan(name, variants, ck, model, calib_prompts, verify, args, eos)
+                 for name, (variants, ck) in tqdm(drafters.items(), desc="calibrating", leave=False)}
+
+        for name, p in list(plans.items()):  # the same drafters under the adaptive policy
+            plans[f"{name}_adaptive"] = p.adaptive(f"{name}_adaptive", lambda p=p: DeferredSync(p.make()), lambda p=p: AdaptivePolicy(
+                verify, {"draft": p.cal.draft_cost}, {"draft": measured_prior(p.cal.stats)}))
+        if base is not None:
+            b, ng = plans[base], plans["ngram"]
+            plans[f"{base}+ngram"] = b.adaptive(
+                f"{base}+ngram", lambda: HybridDrafter(b.make(), ng.make()),
+                lambda: AdaptivePolicy(verify, {"head": b.cal.draft_cost, "ngram": ng.cal.draft_cost},
+                                       {"head": measured_prior(b.cal.stats), "ngram": measured_prior(ng.cal.stats)}))
+        plans = list(plans.values())
 
         # Every method runs on a prompt before the next prompt starts, so a shared machine's load drift
         # hits all methods alike.
@@ -250,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"plain (ours) {report['plain_tokens_per_s']:.1f} tok/s | transformers plain {report['hf_plain_tokens_per_s']:.1f}"
           f" tok/s, prompt lookup (10) {report['hf_prompt_lookup_tokens_per_s']:.1f} tok/s = "
           f"{report['hf_prompt_lookup_speedup']:.2f}x, identical {report['hf_outputs_identical']}")
-    head = f"{'drafter':<18}{'k':>3}{'tau':>7}{'tok/s':>8}{'speedup':>9}{'predicted':>10}{'ideal':>7}{'overhead':>9}  identical"
+    head = f"{'drafter':<28}{'k':>3}{'tau':>7}{'tok/s':>8}{'speedup':>9}{'predicted':>10}{'ideal':>7}{'overhead':>9}  identical"
     print(head)
     print("-" * len(head))
     for name, r in results.items():
@@ -259,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             ov = "-" if row["overhead_ratio"] is None else f"{row['overhead_ratio']:.2f}"
             pred = f"{r['predicted_speedup']:>9.2f}x" if row is r else f"{'':>10}"
-            print(f"{label:<18}{row['k']:>3}{row['tau']:>7.2f}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
+            print(f"{label:<28}{row['k']:>3}{row['tau']:>7.2f}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
                   f"{pred}{row['ideal_speedup']:>6.2f}x{ov:>9}  {row['outputs_identical']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

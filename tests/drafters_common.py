@@ -35,12 +35,13 @@ def exact_law(model, prompt: list[int], n_new: int, temperature: float = 1.0, to
 
 def exact_and_empirical(model, prompt: list[int], make_drafter, k: int, n_new: int, top_k: int, samples: int,
                         temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int | None = None,
-                        cache: str = "dynamic"):
+                        cache: str = "dynamic", make_policy=None):
     """Exact law of the first n_new tokens (`exact_law`) and counts of them from speculative sampling.
 
     Each speculative sample runs with its own seeded generators (make_drafter(i) seeds the drafter's).
     max_new_tokens (default n_new) may be larger, so that the passes producing the compared tokens can draft
-    deeper (the decoder never drafts past max_new_tokens).
+    deeper (the decoder never drafts past max_new_tokens). make_policy(i): an eval.decoder.DraftPolicy for
+    sample i (None: the fixed draft length k).
     """
     exact = exact_law(model, prompt, n_new, temperature, top_k, top_p)
     counts: dict[tuple[int, ...], int] = {}
@@ -48,7 +49,7 @@ def exact_and_empirical(model, prompt: list[int], make_drafter, k: int, n_new: i
         out, _ = speculative_generate(model, torch.tensor([prompt]), make_drafter(i), k=k,
                                       max_new_tokens=max_new_tokens or n_new, temperature=temperature,
                                       top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(i),
-                                      cache=cache)
+                                      cache=cache, policy=None if make_policy is None else make_policy(i))
         key = tuple(out[:n_new].tolist())
         counts[key] = counts.get(key, 0) + 1
     return exact, counts
@@ -122,15 +123,22 @@ def make_batch(model, seqs: list[list[int]], prompt_len: int = 4) -> dict[str, t
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "last": feats.last}
 
 
-def assert_sampling_exact(model, prompt: list[int], make_drafter, samples: int = 600, **kw) -> None:
+def sampling_pvalue(model, prompt: list[int], make_drafter, samples: int = 600, make_policy=None, **kw) -> float:
+    """Chi-square p-value of speculative sampling (temperature 1, top-3, k 2, 4 new tokens; **kw overrides)
+    against plain sampling's law."""
+    exact, counts = exact_and_empirical(model, prompt, make_drafter, **{"k": 2, "n_new": 4, "top_k": 3, **kw},
+                                        samples=samples, make_policy=make_policy)
+    return chi_square_pvalue(exact, counts, samples)
+
+
+def assert_sampling_exact(model, prompt: list[int], make_drafter, samples: int = 600, make_policy=None,
+                          **kw) -> None:
     """Speculative sampling (temperature 1, top-3, k 2, 4 new tokens; **kw overrides) follows plain sampling's law.
 
     Fixed seeds make it deterministic; a drafter whose q did not match its drafts, or a verifier that
     resampled from p after a rejection, fails it (chi-square p-value far below 1e-3).
     """
-    exact, counts = exact_and_empirical(model, prompt, make_drafter, **{"k": 2, "n_new": 4, "top_k": 3, **kw},
-                                        samples=samples)
-    pv = chi_square_pvalue(exact, counts, samples)
+    pv = sampling_pvalue(model, prompt, make_drafter, samples, make_policy, **kw)
     assert pv > 1e-3, f"chi-square p = {pv:.2e}"
 
 

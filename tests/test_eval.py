@@ -101,6 +101,26 @@ def test_evaluate_head_writes_report(tmp_path, tiny_target, monkeypatch):
     assert "counting the corrected or bonus token" in md and "Speculation stops paying" in md
 
 
+def test_hybrid_eval_runs_the_head_alone_beside_it_and_reports_the_policy(tmp_path, tiny_target):
+    folder = _head(tmp_path, tiny_target, "head")
+    out = tmp_path / "ev"
+    report = run.evaluate(folder, _cfg(bench=["humaneval"], max_new_tokens=16, num_draft_tokens=None), out,
+                          TargetConfig(name_or_path="tiny-random-llama"), drafter="head+ngram", loaded=tiny_target,
+                          sweep_new_tokens=4, log=lambda s: None)
+    assert report["drafter"] == "eagle3+ngram" and report["policy"] == "adaptive"
+    assert report["methods"] == ["plain", "eagle3+ngram", "eagle3", "ngram", "hf_prompt_lookup"]
+    b = report["benchmarks"]["humaneval"]
+    assert b["identical"] is True and b["baselines"]["eagle3"]["identical"] is True
+    assert set(b["chosen_k"]) == {"head", "ngram"} and set(b["baselines"]["eagle3"]["chosen_k"]) == {"draft"}
+    for row in (b, b["baselines"]["eagle3"]):  # every pass chose a length, per proposer
+        assert all(sum(ks.values()) == row["target_passes"] for ks in row["chosen_k"].values())
+    assert sum(b["accepted_by_source"].values()) <= b["target_passes"] * (b["tau"] - 1) + 1e-9
+    assert set(b["accepted_by_source"]) <= {"head", "ngram", "head+ngram"} and 0.0 <= b["draft_rate"] <= 1.0
+    assert report["costs"]["ngram_calibration"]["chosen_k"] == report["ngram_k"] >= 1
+    md = (out / "report.md").read_text()
+    assert "## Drafting policy" in md and "| humaneval | eagle3+ngram | all |" in md and "| humaneval | eagle3 |" in md
+
+
 def test_ngram_cli_on_a_question_file(tmp_path, capsys):
     qfile = tmp_path / "my_questions.jsonl"
     qfile.write_text(
@@ -127,6 +147,8 @@ def test_bad_input_is_named(tmp_path, tiny_target):
                      drafter="ngram", loaded=tiny_target)
     with pytest.raises(run.EvalError, match="needs --head"):
         run.evaluate(None, _cfg(), tmp_path, drafter="head")
+    with pytest.raises(run.EvalError, match="eval.policy must be one of adaptive, fixed, got 'smart'"):
+        run.evaluate(None, _cfg(policy="smart"), tmp_path, drafter="ngram")
     with pytest.raises(run.EvalError, match="unknown baseline 'vllm'"):
         run.evaluate(None, _cfg(), tmp_path, drafter="ngram", baselines=["vllm"])
     with pytest.raises(HeadError, match="not a head folder"):

@@ -1,0 +1,228 @@
+"""Per-request adaptive drafting: each pass's draft length from what THIS request has accepted so far.
+
+    from eval.policy import AdaptivePolicy
+    policy = AdaptivePolicy(verify, {"draft": cal.draft_cost}, {"draft": cal.acceptance})
+    ids, stats = speculative_generate(model, prompt, drafter, k, 128, policy=policy)
+    print(stats.chosen_k)        # {"draft": {0: passes without a draft, 1: ..., 2: ...}}
+
+For a HybridDrafter (eval.drafters) the proposers are "head" and "ngram", each with its own prior and draft
+cost, and the policy sizes both branches of every pass (setting the drafter's `budgets`).
+
+The model (eval.costs, per proposer s and depth d, the estimate a_s(d) of P(depth d accepted | d-1 was)):
+    a_s(d)   = (accepted_s(d) + w * prior_s(d)) / (judged_s(d) + w)     counts decay by `decay` per
+                                                                        observation, so a request that
+                                                                        changes character is followed
+    P_s(d)   = a_s(1) * ... * a_s(d)                                    the proposer's chain reaches depth d
+    E(l)     = 1 + sum_d (1 - prod_s (1 - P_s(d) [d <= l_s]))           tokens per pass, branches treated as
+                                                                        independent chances to reach depth d
+    time(l)  = sum_{s: l_s > 0} D_s(nodes_s) + T(1 + sum_s nodes_s)     nodes_s = l_s * nodes per depth seen
+and the lengths l (each 0..k_max, the n-gram's capped by the match it actually has) with the highest
+E(l) * T(1) / time(l) are drafted; all zero is a plain pass (T(1), E = 1). A proposer left at 0 for
+`probe_every` passes in a row is given depth 1 once (a cheap re-probe: one extra verified token; a proposal
+known before drafting, the n-gram's match, is probed whole: it costs nothing to draft and its worth is in its
+deep positions, which one token would never measure), so a
+request that becomes predictable gets drafts again; while probes do not bring it back the gap doubles
+(8, 16, 32, 64 passes), so a drafter that never helps costs little more than plain decoding. The prior is the calibration's acceptance, which is
+what the calibrated k was chosen from; reset's k is the first pass's length.
+
+Exactness does not depend on any of this: the policy only chooses what is drafted (tests/test_policy.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from eval.costs import DraftCost, VerifyCost
+from eval.decoder import GenerationStats
+from eval.speedup import extend_rates
+from heads.base import DraftTree
+
+__all__ = ["AdaptivePolicy", "isotonic", "measured_prior"]
+
+MAX_PROBE_GAP_FACTOR = 8  # re-probes back off from probe_every to at most 8 * probe_every plain passes
+
+
+def measured_prior(stats: GenerationStats) -> list[float]:
+    """Conditional acceptance per depth where it was measured: up to the first depth no pass tested.
+
+    GenerationStats.acceptance_rates reports 0 for an untested depth, which as a prior would keep the policy
+    from ever drafting that deep; here the list stops instead, and the policy repeats its last rate deeper
+    (eval.speedup.extend_rates). Example: accepted [3, 1, 0], judged [4, 2, 0] -> [0.75, 0.5].
+    """
+    out = []
+    for a, j in zip(stats.accepted_per_position, stats.judged_per_position):
+        if not j:
+            break
+        out.append(a / j)
+    return out
+
+
+def isotonic(verify: VerifyCost) -> VerifyCost:
+    """The nondecreasing least-squares fit of a measured T(n) (pool adjacent violators).
+
+    A pass over more tokens never costs less, so a measured dip or spike is noise (a loaded machine); pooling
+    it with its neighbours keeps a dip from buying longer drafts and a spike from pricing out every longer
+    one. Example: T(1, 2, 4, 8) = 57, 90, 70, 200 ms -> 57, 80, 80, 200.
+    """
+    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours, means nondecreasing
+    ns = sorted(verify.seconds)
+    for n in ns:
+        blocks.append([verify.seconds[n], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return VerifyCost(dict(zip(ns, fitted)), verify.context_len)
+
+
+class AdaptivePolicy:
+    """eval.decoder.DraftPolicy choosing per-proposer draft lengths from measured costs and running acceptance."""
+
+    def __init__(self, verify: VerifyCost, costs: Mapping[str, DraftCost], prior: Mapping[str, Sequence[float]],
+                 k_max: int = 8, prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 8):
+        if set(costs) != set(prior) or not prior:
+            raise ValueError(f"AdaptivePolicy: costs {sorted(costs)} and prior {sorted(prior)} must name the same proposers")
+        if k_max < 1 or prior_weight <= 0 or not 0 < decay <= 1 or probe_every < 1:
+            raise ValueError("AdaptivePolicy: need k_max >= 1, prior_weight > 0, 0 < decay <= 1, probe_every >= 1")
+        self.verify, self.costs = isotonic(verify), dict(costs)
+        self.prior = {s: extend_rates(a, k_max) for s, a in prior.items()}
+        self.k_max, self.weight, self.decay, self.probe_every = k_max, prior_weight, decay, probe_every
+        self._t: dict[int, float] = {}
+        self.reset(0)
+
+    def reset(self, k: int) -> None:
+        self.first = k
+        self.accepted = {s: [0.0] * self.k_max for s in self.prior}
+        self.judged = {s: [0.0] * self.k_max for s in self.prior}
+        self.idle = dict.fromkeys(self.prior, 0)
+        self.gap = dict.fromkeys(self.prior, self.probe_every)  # plain passes before the next re-probe
+        self.width = dict.fromkeys(self.prior, 1.0)  # draft nodes per depth (1 for chains)
+
+    def rates(self, source: str) -> list[float]:
+        """The current estimate a_s(d) for d = 1..k_max."""
+        w, pr = self.weight, self.prior[source]
+        return [(a + w * p) / (j + w) for a, j, p in zip(self.accepted[source], self.judged[source], pr)]
+
+    def _nodes(self, source: str, length: int) -> int:
+        return math.ceil(self.width[source] * length - 1e-9) if length else 0
+
+    def _verify(self, n: int) -> float:
+        """T(n) of the isotonic fit, memoised (choose prices up to (k_max + 1)^2 candidates every pass)."""
+        t = self._t.get(n)
+        if t is None:
+            t = self._t[n] = self.verify(n)
+        return t
+
+    def predicted_speedup(self, lengths: Mapping[str, int], reach: Mapping[str, list[float]] | None = None) -> float:
+        """E(l) * T(1) / time(l) for these per-proposer lengths (see the module docstring).
+
+        reach[s][d-1] = P_s(d) may be passed in when it is already computed (choose prices many l at once).
+        """
+        depth = max(lengths.values(), default=0)
+        if depth == 0:
+            return 1.0
+        if reach is None:
+            reach = {s: list(itertools.accumulate(self.rates(s), lambda x, y: x * y)) for s in lengths}
+        miss = [1.0] * depth  # P(no proposer's chain reaches depth d)
+        for s, n in lengths.items():
+            r = reach[s]
+            for d in range(n):
+                miss[d] *= 1.0 - r[d]
+        e = 1.0 + depth - sum(miss)
+        t, nodes = 0.0, 1
+        for s, n in lengths.items():
+            if n:
+                m = self._nodes(s, n)
+                t += self.costs[s](m)
+                nodes += m
+        return e * self._verify(1) / (t + self._verify(nodes))
+
+    def best_lengths(self, sources: Sequence[str], limit: Mapping[str, int]) -> dict[str, int]:
+        """The lengths (each 0..limit[s]) with the highest predicted_speedup; ties go to the shorter.
+
+        One or two proposers, priced incrementally (O(1) per candidate, this runs every pass): adding depth
+        d to the second proposer adds P(the first misses d) * P_2(d) to E.
+        """
+        if not 1 <= len(sources) <= 2:
+            raise ValueError(f"AdaptivePolicy: one or two proposers, got {list(sources)}")
+        a, b = sources[0], (sources[1] if len(sources) == 2 else None)
+        reach = {s: list(itertools.accumulate(self.rates(s), lambda x, y: x * y)) for s in sources}
+        la_max, lb_max = limit[a], (limit[b] if b else 0)
+        ra, rb = reach[a], (reach[b] if b else [])
+        nodes_a = [self._nodes(a, n) for n in range(la_max + 1)]
+        nodes_b = [self._nodes(b, n) for n in range(lb_max + 1)] if b else [0]
+        cost_a = [self.costs[a](m) if m else 0.0 for m in nodes_a]
+        cost_b = [self.costs[b](m) if m else 0.0 for m in nodes_b] if b else [0.0]
+        t1 = self._verify(1)
+        best, arg = 1.0, (0, 0)  # a plain pass
+        e_a = 1.0
+        for la in range(la_max + 1):
+            if la:
+                e_a += ra[la - 1]
+            e = e_a
+            for lb in range(lb_max + 1):
+                if lb:
+                    d = lb - 1
+                    e += (1.0 - ra[d] if d < la else 1.0) * rb[d]
+                if la or lb:
+                    speed = e * t1 / (cost_a[la] + cost_b[lb] + self._verify(1 + nodes_a[la] + nodes_b[lb]))
+                    if speed > best * (1 + 1e-9):
+                        best, arg = speed, (la, lb)
+        return dict(zip(sources, arg))
+
+    def choose(self, drafter: Any, budget: int) -> dict[str, int]:
+        sources = list(getattr(drafter, "SOURCES", ("draft",)))
+        if set(sources) != set(self.prior):
+            raise ValueError(f"AdaptivePolicy: the drafter's proposers {sources} are not the policy's {sorted(self.prior)}")
+        cap = max(min(budget, self.k_max), 0)
+        limit, probe = {}, {}
+        for s in sources:
+            known = drafter.proposal(s, cap) if hasattr(drafter, "proposal") else None
+            limit[s] = cap if known is None else min(known, cap)
+            # A proposal known before drafting (the n-gram's match) costs nothing to draft and its worth is in
+            # its deep positions, which a one-token probe would never measure: probe it whole.
+            probe[s] = 1 if known is None else limit[s]
+        if self.first:
+            choice = {s: min(self.first, limit[s]) for s in sources}
+            self.first = 0
+        else:
+            choice = self.best_lengths(sources, limit)
+        for s in sources:
+            if choice[s]:  # drafting on its own merits: probing starts over
+                self.idle[s], self.gap[s] = 0, self.probe_every
+            elif limit[s]:
+                self.idle[s] += 1
+                if self.idle[s] >= self.gap[s]:  # re-probe (one cheap draft token), then wait twice as long
+                    choice[s], self.idle[s] = probe[s], 0
+                    self.gap[s] = min(2 * self.gap[s], MAX_PROBE_GAP_FACTOR * self.probe_every)
+        if hasattr(drafter, "budgets"):
+            drafter.budgets = dict(choice)
+        return choice
+
+    def observe(self, tree: DraftTree, accepted: list[int]) -> None:
+        n = len(tree)
+        if n == 0:
+            return
+        tags = [t.split("+") for t in tree.sources] if tree.sources is not None else [["draft"]] * n
+        parents = tree.parents.tolist()
+        depth = [0] * n
+        for i, p in enumerate(parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        for s in self.prior:
+            mine = [i for i in range(n) if s in tags[i]]
+            if not mine:
+                continue
+            got = 0  # this proposer's nodes are ancestor-closed: its accepted part is a prefix of the path
+            while got < len(accepted) and s in tags[accepted[got]]:
+                got += 1
+            last = accepted[got - 1] if got else -1
+            tested = min(got + int(any(parents[i] == last for i in mine)), self.k_max)
+            acc, jud = self.accepted[s], self.judged[s]
+            for d in range(tested):
+                jud[d] = self.decay * jud[d] + 1.0
+                acc[d] = self.decay * acc[d] + float(d < got)
+            self.width[s] = 0.5 * self.width[s] + 0.5 * len(mine) / max(depth[i] for i in mine)

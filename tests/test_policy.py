@@ -1,0 +1,347 @@
+"""Adaptive drafting (eval.policy) and hybrid head + n-gram trees (eval.drafters.HybridDrafter) stay exact.
+
+Greedy: the output equals model.generate and plain decoding whatever the policy does (the adaptive one, a
+random one, one that never drafts) for chains, trees and hybrids. Sampling: the law of plain sampling
+(tests/drafters_common.py) under a random policy, for a sampled chain and for a hybrid of a sampled chain
+with n-gram branches; the same hybrid with the n-gram nodes judged as draws from a uniform q must fail.
+Sync: when the accepted path comes from an n-gram branch the head's next draft is the draft of a fresh head
+begun on the committed sequence (EAGLE-3 with target features, a separate draft model).
+
+    .venv/bin/python -m pytest -q tests/test_policy.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from drafters_common import sampling_pvalue
+from test_decoder import (  # noqa: F401  (fixtures)
+    MAX_NEW,
+    RandomTreeDrafter,
+    StaticTreeDrafter,
+    other,
+    prompt,
+    reference,
+    sharp_model,
+    target,
+)
+from test_sampling_exactness import vocab4_model  # noqa: F401
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import eval.drafters as drafters
+from data.features import forward_features
+from data.target import target_io
+from eval.costs import DraftCost, VerifyCost
+from eval.decoder import GenerationStats, plain_generate, speculative_generate
+from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter, NgramDrafter, layer_prefix_model
+from eval.policy import AdaptivePolicy, isotonic, measured_prior
+from heads import eagle, medusa, mtp
+from heads.base import DraftTree
+
+# A CPU-like verify curve (ms): drafting pays only for well-accepted drafts.
+VERIFY = VerifyCost({1: 0.057, 2: 0.075, 4: 0.11, 8: 0.125, 16: 0.2}, context_len=64)
+
+
+class RandomPolicy:
+    """Adversarial: every pass a random length in 0..budget for every proposer, ignoring all evidence."""
+
+    def __init__(self, seed: int, p_zero: float = 0.3):
+        self.rng, self.p_zero = random.Random(seed), p_zero
+
+    def reset(self, k):
+        pass
+
+    def choose(self, drafter, budget):
+        choice = {s: 0 if self.rng.random() < self.p_zero else self.rng.randint(0, budget)
+                  for s in getattr(drafter, "SOURCES", ("draft",))}
+        if hasattr(drafter, "budgets"):
+            drafter.budgets = dict(choice)
+        return choice
+
+    def observe(self, tree, accepted):
+        pass
+
+
+class NeverPolicy(RandomPolicy):
+    def choose(self, drafter, budget):
+        return {"draft": 0}
+
+
+def adaptive(sources=("draft",), prior=0.5, **kw):
+    return AdaptivePolicy(VERIFY, {s: DraftCost(0.002, 0.001) for s in sources}, {s: [prior] * 4 for s in sources}, **kw)
+
+
+class Recorder:
+    """Wraps a drafter: tracks the committed sequence itself and records (committed length, k, drafted tokens)."""
+
+    def __init__(self, inner):
+        self.inner, self.capture_layers = inner, inner.capture_layers
+        self.records: list[tuple[int, int, list[int]]] = []
+
+    def begin(self, prompt_ids, features, next_token):
+        self.seq = prompt_ids.reshape(-1).tolist() + [next_token]
+        self.inner.begin(prompt_ids, features, next_token)
+
+    def draft(self, k, temperature):
+        tree = self.inner.draft(k, temperature)
+        self.records.append((len(self.seq), k, tree.tokens.tolist()))
+        return tree
+
+    def commit(self, accepted, features, next_token):
+        self.commit_tokens([self.records[-1][2][a] for a in accepted], features, next_token)
+
+    def commit_tokens(self, tokens, features, next_token):
+        self.seq += list(tokens) + [next_token]
+        self.inner.commit_tokens(tokens, features, next_token)
+
+
+def _tracker(d):
+    """test_decoder's reference-tracking drafters, with an empty last draft: a policy may commit before any draft."""
+    d.tree = DraftTree.chain(torch.empty(0, dtype=torch.long))
+    return d
+
+
+def _eagle3(io):
+    torch.manual_seed(0)
+    return eagle.build(eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=io.vocab_size, ttt_length=2), io)
+
+
+# ----------------------------------------------------------------------------------------------- greedy identity
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_identical_under_any_policy(target, other, prompt, reference, seed):  # noqa: F811 (fixtures imported from test_decoder)
+    plain, _ = plain_generate(target, prompt, MAX_NEW)
+    assert plain.tolist() == reference.tolist()
+    makers = [NgramDrafter, lambda: DeferredSync(ModelDrafter(other)),
+              lambda: _tracker(RandomTreeDrafter(reference, seed)),
+              lambda: _tracker(StaticTreeDrafter(reference, seed)), lambda: HybridDrafter(ModelDrafter(other))]
+    for make in makers:
+        sources = getattr(make(), "SOURCES", ("draft",))
+        for policy in (RandomPolicy(seed), NeverPolicy(seed), adaptive(sources), adaptive(sources, prior=0.95)):
+            out, st = speculative_generate(target, prompt, make(), 4, MAX_NEW, policy=policy)
+            assert out.tolist() == reference.tolist(), (type(policy).__name__, make)
+            assert sum(st.chosen_k[next(iter(st.chosen_k))].values()) == st.target_passes
+
+
+@pytest.mark.parametrize("family", ["eagle3-dynamic", "medusa", "mtp"])
+def test_hybrid_over_every_head_family_is_identical(sharp_model, family):  # noqa: F811 (fixture imported from test_decoder)
+    """The n-gram merged into an EAGLE-2 dynamic tree, a Medusa static tree and an MTP chain (untrained heads)."""
+    io = target_io(sharp_model)
+    ids = torch.randint(97, (1, 12), generator=torch.Generator().manual_seed(1))
+    ref, _ = plain_generate(sharp_model, ids, MAX_NEW)
+    torch.manual_seed(0)
+    if family == "eagle3-dynamic":
+        head = eagle.build(eagle.Eagle3Config(layer_ids=[0, 1], draft_vocab_size=97, ttt_length=2), io)
+        make = lambda: eagle.drafter(head, io, tree="dynamic", top_k=3, total_tokens=8)  # noqa: E731
+    elif family == "medusa":
+        head = medusa.build(medusa.MedusaConfig(num_heads=3), io)
+        make = lambda: medusa.drafter(head, io)  # noqa: E731
+    else:
+        head = mtp.build(mtp.MTPConfig(num_modules=2), io)
+        make = lambda: mtp.drafter(head, io)  # noqa: E731
+    for policy in (None, RandomPolicy(0), adaptive(("head", "ngram"), prior=0.9)):
+        out, st = speculative_generate(sharp_model, ids, HybridDrafter(make(), OracleNgram(ref.tolist())), 3, MAX_NEW,
+                                       policy=policy)
+        assert out.tolist() == ref.tolist(), (family, policy)
+        assert st.accepted_by_source.get("ngram", 0) > 0
+
+
+def test_never_drafting_policy_is_plain_decoding_with_the_drafter_in_sync(target, prompt, reference):  # noqa: F811 (fixtures imported from test_decoder)
+    d = Recorder(NgramDrafter())
+    out, st = speculative_generate(target, prompt, d, 4, MAX_NEW, policy=NeverPolicy(0))
+    assert out.tolist() == reference.tolist() and st.tau == 1.0 and st.draft_rate == 0.0
+    assert st.chosen_k == {"draft": {0: MAX_NEW - 1}} and not d.records
+    # commit ran every pass: the drafter saw every token but the last (committed after the final pass).
+    assert d.seq == prompt[0].tolist() + reference[:-1].tolist()
+
+
+def test_hybrid_tree_merges_prefixes_and_tags_sources():
+    class Chain:
+        capture_layers = None
+
+        def __init__(self, toks):
+            self.toks = toks
+
+        def draft(self, k, temperature):
+            return DraftTree.chain(torch.tensor(self.toks[:k]))
+
+    ngram = NgramDrafter()
+    ngram.begin(torch.tensor([[5, 1, 2, 7, 8, 9, 5]]), None, 1)  # suffix (5, 1) last continued with 2 7 8 9
+    d = HybridDrafter(Chain([2, 7, 3]), ngram)
+    tree = d.draft(4, 0.0)
+    assert tree.tokens.tolist() == [2, 7, 3, 8, 9] and tree.parents.tolist() == [-1, 0, 1, 1, 3]
+    assert tree.sources == ["head+ngram", "head+ngram", "head", "ngram", "ngram"] and tree.probs is None
+    d.budgets = {"head": 0, "ngram": 2}
+    assert d.draft(4, 0.0).tokens.tolist() == [2, 7]
+    assert d.proposal("ngram", 3) == 3 and d.proposal("head", 3) is None
+
+
+def test_adaptive_policy_backs_off_and_reprobes():
+    pol = adaptive(prior=0.9, probe_every=3)
+    pol.reset(2)
+    assert pol.choose(NgramDrafter(), 10) == {"draft": 2}  # the calibrated k first
+    assert pol.choose(NgramDrafter(), 10)["draft"] >= 2  # a well-accepted prior keeps drafting
+    miss = DraftTree.chain(torch.tensor([1, 2, 3]))
+    for _ in range(20):
+        pol.observe(miss, [])
+    assert pol.rates("draft")[0] < 0.3
+    picks = [pol.choose(NgramDrafter(), 10)["draft"] for _ in range(22)]
+    # plain passes, and one-token probes after 3, 6, 12 plain passes (the gap doubles while probes fail)
+    assert [i for i, k in enumerate(picks) if k] == [2, 8, 20] and set(picks) == {0, 1}
+    for _ in range(20):
+        pol.observe(miss, [0, 1, 2])
+    assert pol.choose(NgramDrafter(), 10)["draft"] >= 3  # the request became predictable: drafts again
+    assert pol.choose(NgramDrafter(), 1)["draft"] <= 1  # never past the budget
+
+
+def test_a_known_proposal_is_reprobed_whole():
+    class Proposals:
+        SOURCES = ("head", "ngram")
+        budgets = None
+
+        def proposal(self, source, k):
+            return min(5, k) if source == "ngram" else None
+
+    pol = adaptive(("head", "ngram"), prior=0.05, probe_every=2)
+    pol.reset(0)
+    picks = [pol.choose(Proposals(), 10) for _ in range(2)]
+    assert picks == [{"head": 0, "ngram": 0}, {"head": 1, "ngram": 5}]  # the head probes 1 token, the n-gram all 5
+
+
+def test_measured_prior_stops_at_the_first_untested_depth():
+    st = GenerationStats(accepted_per_position=[3, 1, 0], judged_per_position=[4, 2, 0])
+    assert measured_prior(st) == [0.75, 0.5] and st.acceptance_rates == [0.75, 0.5, 0.0]
+    assert AdaptivePolicy(VERIFY, {"draft": DraftCost(0, 0)}, {"draft": measured_prior(st)}).prior["draft"][:4] == \
+        [0.75, 0.5, 0.5, 0.5]
+
+
+def test_the_verify_curve_is_priced_nondecreasing():
+    dip = VerifyCost({1: 0.057, 2: 0.09, 4: 0.07, 8: 0.2}, context_len=64)  # T(4) < T(2): noise
+    assert isotonic(dip).seconds == pytest.approx({1: 0.057, 2: 0.08, 4: 0.08, 8: 0.2})
+    spike = VerifyCost({1: 0.1, 2: 0.3, 3: 0.15, 4: 0.15, 8: 0.2}, context_len=64)  # T(2) a spike: pooled, not max
+    assert isotonic(spike).seconds == pytest.approx({1: 0.1, 2: 0.2, 3: 0.2, 4: 0.2, 8: 0.2})
+    pol = AdaptivePolicy(dip, {"draft": DraftCost(0, 0)}, {"draft": [0.5]})
+    ts = [pol._verify(n) for n in range(1, 12)]
+    assert ts == sorted(ts) and pol._verify(3) == pytest.approx(0.08)
+
+
+def test_fast_length_search_is_the_cost_model_argmax():
+    rng = random.Random(0)
+    for trial in range(30):
+        sources = ("head", "ngram") if trial % 3 else ("draft",)
+        pol = AdaptivePolicy(VERIFY, {s: DraftCost(rng.uniform(0, 0.01), rng.uniform(0, 0.005)) for s in sources},
+                             {s: [rng.random() for _ in range(5)] for s in sources}, k_max=6)
+        pol.width[sources[0]] = rng.choice([1.0, 1.5, 3.0])
+        limit = {s: rng.randint(0, 6) for s in sources}
+        grid = itertools.product(*(range(limit[s] + 1) for s in sources))
+        brute = max(grid, key=lambda ls: pol.predicted_speedup(dict(zip(sources, ls))) - 1e-12 * sum(ls))
+        fast = pol.best_lengths(sources, limit)
+        assert pol.predicted_speedup(fast) == pytest.approx(pol.predicted_speedup(dict(zip(sources, brute))))
+
+
+# ----------------------------------------------------------------------------------------------- sync
+class OracleNgram(NgramDrafter):
+    """An n-gram proposer that knows the greedy continuation `ref` (2 tokens at a time): its branches get
+    accepted, a random head's not."""
+
+    def __init__(self, ref: list[int]):
+        super().__init__()
+        self.ref = ref
+
+    def begin(self, prompt_ids, features, next_token):
+        self.prompt_len = prompt_ids.shape[1]
+        super().begin(prompt_ids, features, next_token)
+
+    def lookup(self, k):
+        done = len(self.tokens) - self.prompt_len  # new tokens committed, the root included
+        return self.ref[done:done + min(k, 2)]  # short: many passes, the head drafting in some
+
+
+@pytest.mark.parametrize("family,wrap", [("eagle3", "hybrid"), ("model", "hybrid"), ("eagle3", "deferred")])
+def test_head_stays_in_sync_when_ngram_branches_are_accepted(sharp_model, family, wrap):  # noqa: F811 (fixture imported from test_decoder)
+    """Also when its commits were deferred over plain passes (DeferredSync, inside every HybridDrafter).
+
+    sharp_model's predictions depend on the whole context, so a head fed a wrong or reordered path drafts
+    differently from a fresh one."""
+    io = target_io(sharp_model)
+    ids = torch.randint(97, (1, 12), generator=torch.Generator().manual_seed(0))
+    ref, _ = plain_generate(sharp_model, ids, MAX_NEW)
+    if family == "eagle3":
+        torch.manual_seed(0)
+        head = eagle.build(eagle.Eagle3Config(layer_ids=[0, 1], draft_vocab_size=97, ttt_length=2), io)
+        make = lambda: eagle.drafter(head, io)  # noqa: E731
+    else:
+        make = lambda: ModelDrafter(layer_prefix_model(sharp_model, 1))  # noqa: E731
+    rec = Recorder(make())
+    d = HybridDrafter(rec, OracleNgram(ref.tolist())) if wrap == "hybrid" else DeferredSync(rec)
+    out, st = speculative_generate(sharp_model, ids, d, 3, MAX_NEW, policy=RandomPolicy(3, p_zero=0.6))
+    assert out.tolist() == ref.tolist() and len(set(ref.tolist())) > 10
+    if wrap == "hybrid":
+        assert st.accepted_by_source.get("ngram", 0) >= 5  # paths the head did not propose were committed
+    assert len(rec.records) > 3
+    drafted_at = [m for m, _, _ in rec.records]
+    assert max(b - a for a, b in zip(drafted_at, drafted_at[1:])) >= 4  # several commits deferred at once
+    full = torch.cat([ids[0], out])[None]
+    assert rec.seq == full[0, :len(rec.seq)].tolist()  # the head was handed the tokens really committed
+    feats = None
+    if rec.capture_layers is not None:
+        feats, _ = forward_features(sharp_model, full, None, list(rec.capture_layers))
+    for m, k, toks in rec.records:
+        fresh = make()
+        fresh.begin(full[:, :m - 1], None if feats is None else feats.slice(0, m - 1), int(full[0, m - 1]))
+        assert fresh.draft(k, 0.0).tokens.tolist() == toks, f"head out of sync after {m} committed tokens"
+
+
+# ----------------------------------------------------------------------------------------------- sampling law
+PROMPT4 = [1, 3, 2, 0, 1, 3]
+
+
+@pytest.fixture(scope="module")
+def head4():
+    """A second vocab-4 model drafting by sampling: its q is not the target's p, so rejections happen."""
+    torch.manual_seed(9)
+    cfg = LlamaConfig(vocab_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.6)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-3.0)  # q unlike p: many rejections
+    return model
+
+
+def _sampled(model, i):
+    return ModelDrafter(model, generator=torch.Generator().manual_seed(10_000 + i))
+
+
+def test_sampling_exact_under_a_random_policy(vocab4_model, head4):  # noqa: F811
+    def run():
+        return sampling_pvalue(vocab4_model, PROMPT4, lambda i: _sampled(head4, i), samples=400,
+                               make_policy=lambda i: RandomPolicy(i))
+
+    pv = run()
+    assert pv > 1e-3, f"chi-square p = {pv:.2e}"
+
+
+def test_hybrid_sampling_is_exact_and_a_biased_hybrid_fails(vocab4_model, head4, monkeypatch):  # noqa: F811
+    def run():
+        return sampling_pvalue(vocab4_model, PROMPT4, lambda i: HybridDrafter(_sampled(head4, i)),
+                               samples=500, make_policy=lambda i: RandomPolicy(i, p_zero=0.1))
+
+    assert run() > 1e-3
+    # The named bias: n-gram nodes judged as i.i.d. draws from a uniform q instead of the one-hot q.
+    monkeypatch.setattr(drafters, "deterministic_q", lambda toks, like: torch.full(
+        (len(toks), like.shape[-1]), 1.0 / like.shape[-1], dtype=like.dtype))
+    pv = run()
+    assert pv < 1e-6, f"the biased hybrid passed (p = {pv:.2e})"
+
+
+def test_hybrid_with_a_topk_tree_samples_exactly(vocab4_model):  # noqa: F811
+    """An EAGLE-2 dynamic tree (deterministic top-k children, sampling "topk") plus n-gram branches."""
+    io = target_io(vocab4_model)
+    torch.manual_seed(0)
+    head = eagle.build(eagle.Eagle3Config(layer_ids=[0, 1], draft_vocab_size=4, ttt_length=2), io)
+    pv = sampling_pvalue(vocab4_model, PROMPT4,
+                         lambda i: HybridDrafter(eagle.drafter(head, io, tree="dynamic", top_k=2, total_tokens=4)),
+                         samples=400, make_policy=lambda i: RandomPolicy(i, p_zero=0.1))
+    assert pv > 1e-3, f"chi-square p = {pv:.2e}"
