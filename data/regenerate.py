@@ -134,9 +134,21 @@ def generate_batch(
 
     `seeds` (one per conversation) switch on per-row sampling; None means greedy.
     """
-    eos = eos_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    return generate_texts(model, tokenizer, texts, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, seeds)
+
+
+def generate_texts(
+    model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int, temperature: float, top_p: float,
+    seeds: list[int] | None, stop_ids: list[int] | None = None,
+) -> list[Answer]:
+    """Continue each rendered text (batched, left padded) until a stop token or `max_new_tokens`.
+
+    Stops at the target's EOS ids plus `stop_ids`. `seeds` (one per text) switch on per-row sampling at
+    `temperature` / `top_p`; None means greedy. The answer text excludes the stop token.
+    """
+    eos = sorted(set(eos_ids(model, tokenizer)) | set(stop_ids or []))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     # The template already renders BOS-like markers, so the tokenizer must not add its own.
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     width = max(len(r) for r in rows)
@@ -149,10 +161,10 @@ def generate_batch(
     for i, r in enumerate(rows):
         ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
         att[i, width - len(r):] = 1
-    gen_cfg = GenerationConfig(max_new_tokens=rcfg.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
     procs = LogitsProcessorList()
     if seeds is not None:
-        procs.append(RowSampler(seeds, rcfg.temperature, rcfg.top_p, device))
+        procs.append(RowSampler(seeds, temperature, top_p, device))
     with torch.no_grad():
         out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), generation_config=gen_cfg,
                              logits_processor=procs)
@@ -213,7 +225,9 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
             "top_p": r.top_p, "system_prompt": r.system_prompt, "seed": cfg.seed}
 
 
-def _check_settings(meta_path: Path, out_path: Path, settings: dict[str, Any], resuming: bool) -> None:
+def check_settings(meta_path: Path, out_path: Path, settings: dict[str, Any], resuming: bool,
+                   section: str = "regenerate") -> None:
+    """Store `settings` beside a new output, or refuse to resume an output written with other settings."""
     if not resuming:
         meta_path.write_text(json.dumps(settings, indent=2))
         return
@@ -223,7 +237,7 @@ def _check_settings(meta_path: Path, out_path: Path, settings: dict[str, Any], r
     old = json.loads(meta_path.read_text())
     for key in settings:
         if old.get(key) != settings[key]:
-            raise DataError(f"{out_path} was written with regenerate setting '{key}' = {old.get(key)!r}, now "
+            raise DataError(f"{out_path} was written with {section} setting '{key}' = {old.get(key)!r}, now "
                             f"{settings[key]!r}; rerun with the old settings to resume, or delete it")
 
 
@@ -248,7 +262,7 @@ def regenerate(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> dict
     out_path = Path(rcfg.output) if Path(rcfg.output).is_absolute() else out_dir / rcfg.output
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done_ids = read_done(out_path)
-    _check_settings(out_path.with_suffix(".meta.json"), out_path, _settings(cfg), out_path.exists())
+    check_settings(out_path.with_suffix(".meta.json"), out_path, _settings(cfg), out_path.exists())
     done = set(done_ids)
     pending = sum(j.id not in done for j in jobs)
 
