@@ -233,7 +233,7 @@ def check_prompts_config(pcfg: PromptsConfig) -> None:
             raise DataError(f"prompts.{msg}")
     names = [d.name for d in pcfg.domains]
     for i, d in enumerate(pcfg.domains):
-        if not d.name or names.count(d.name) > 1:
+        if not d.name or d.name in names[:i]:
             raise DataError(f"prompts.domains[{i}].name must be non-empty and unique, got {d.name!r}")
         if d.weight <= 0:
             raise DataError(f"prompts.domains[{i}].weight must be > 0, got {d.weight}")
