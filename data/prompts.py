@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from data.config import PromptsConfig, RunConfig, save_config, to_dict
 from data.readers import DataError, read_records
-from data.regenerate import check_settings, generate_texts, read_done
+from data.regenerate import check_settings, generate_texts, read_done, run_cli
 
 _BUNDLED = Path(__file__).resolve().parent / "bundled"
 # The eval stage's bundled benchmark prompts (eval/bench.py reads the same files): never train on them.
@@ -381,20 +381,8 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from data.config import parse_args
-    from data.target import TargetLoadError
-
-    cfg, _ = parse_args("The target writes its own training prompts (user turns); writes a prompt JSONL.", argv)
-    try:
-        summary = write_prompts(cfg)
-    except (DataError, TargetLoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except KeyboardInterrupt:
-        print("\nprompts: interrupted; written candidates are saved, rerun the same command to resume",
-              file=sys.stderr)
-        raise SystemExit(130) from None
-    print(format_summary(summary))
+    run_cli("The target writes its own training prompts (user turns); writes a prompt JSONL.", write_prompts,
+            format_summary, "prompts", "written candidates are saved", argv)
 
 
 if __name__ == "__main__":

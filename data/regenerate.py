@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -311,21 +312,28 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{s['skipped_malformed']} malformed, {s['skipped_without_user_turn']} without a user turn")
 
 
-def main(argv: list[str] | None = None) -> None:
+def run_cli(description: str, run: Callable[[RunConfig], dict[str, Any]], fmt: Callable[[dict[str, Any]], str],
+            name: str, saved: str, argv: list[str] | None) -> None:
+    """The data stages' entry point: parse the common flags, run, print the summary; a data or target
+    error is one `error:` line and exit 2, Ctrl-C says what `saved` and exits 130."""
     from data.config import parse_args
     from data.target import TargetLoadError
 
-    cfg, _ = parse_args("Answer prompts with the target (self-distillation) and write ShareGPT JSONL.", argv)
+    cfg, _ = parse_args(description, argv)
     try:
-        summary = regenerate(cfg)
+        summary = run(cfg)
     except (DataError, TargetLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:
-        print("\nregenerate: interrupted; finished conversations are saved, rerun the same command to resume",
-              file=sys.stderr)
+        print(f"\n{name}: interrupted; {saved}, rerun the same command to resume", file=sys.stderr)
         raise SystemExit(130) from None
-    print(format_summary(summary))
+    print(fmt(summary))
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli("Answer prompts with the target (self-distillation) and write ShareGPT JSONL.", regenerate,
+            format_summary, "regenerate", "finished conversations are saved", argv)
 
 
 if __name__ == "__main__":
