@@ -100,6 +100,53 @@ class RegenerateConfig:
 
 
 @dataclass
+class PromptDomain:
+    """One kind of self-written prompt (python -m data.prompts)."""
+
+    name: str = "general"
+    weight: float = 1.0  # relative share of candidates drawn from this domain
+    system: str | None = None  # system hint rendered while the target writes the user turn (not kept)
+    openers: list[str] = field(default_factory=list)  # opening words of the user turn; one is drawn per item
+
+
+def _default_domains() -> list[PromptDomain]:
+    return [
+        PromptDomain("coding", 1.0, "The user asks for help with a programming task.",
+                     ["Write a Python function that", "How do I", "Write a program that", "Fix this code:"]),
+        PromptDomain("math", 1.0, "The user asks a math word problem.", ["A store", "If", "Tom has", "Solve"]),
+        PromptDomain("writing", 1.0, "The user asks for a piece of writing.",
+                     ["Write a short story about", "Write an email to", "Write a poem about", "Compose"]),
+        PromptDomain("explain", 1.0, "The user asks a question about science, history or the world.",
+                     ["What is", "Explain", "Why do", "How does"]),
+        PromptDomain("reasoning", 1.0, "The user asks a question that needs careful reasoning.",
+                     ["Which", "Compare", "What are the pros and cons of", "Is it true that"]),
+        PromptDomain("advice", 1.0, "The user asks for everyday advice.",
+                     ["How can I", "What should I", "Give me tips", "I want to"]),
+    ]
+
+
+@dataclass
+class PromptsConfig:
+    """Self-written prompts: the target writes user turns, filtered and mixed (python -m data.prompts)."""
+
+    output: str = "prompts.jsonl"  # prompt JSONL written (relative paths go under --out)
+    num_prompts: int = 256  # prompts in the output, mixed ones included
+    mix_prompts: str | None = "data/bundled/gsm8k_train.jsonl"  # prompt file mixed in (its first prompts)
+    mix_share: float = 0.25  # share of the output taken from mix_prompts, in [0, 1)
+    domains: list[PromptDomain] = field(default_factory=_default_domains)
+    batch_size: int = 16  # candidates sampled together (left padded)
+    max_new_tokens: int = 96  # a user turn longer than this is dropped as unfinished
+    temperature: float = 1.0  # > 0: a greedy target would write one prompt per domain
+    top_p: float = 0.95
+    min_chars: int = 16  # shorter prompts are dropped
+    min_words: int = 4
+    ngram: int = 5  # word n-gram size for duplicate and benchmark-overlap checks
+    max_dup_overlap: float = 0.5  # drop a prompt sharing this share of its n-grams with one kept prompt
+    max_bench_overlap: float = 0.3  # drop a prompt sharing this share of n-grams with a benchmark prompt
+    max_candidates_factor: int = 8  # give up after num_prompts x this many candidates
+
+
+@dataclass
 class FeaturesConfig:
     """Where training features come from (python -m data.extract for the offline store)."""
 
@@ -169,6 +216,7 @@ class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     head: HeadConfig = field(default_factory=lambda: HeadConfig.resolve_class({})())  # see heads/*.py
     optim: OptimConfig = field(default_factory=OptimConfig)

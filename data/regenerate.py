@@ -44,6 +44,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -137,11 +138,20 @@ def eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def render_rows(tokenizer: Any, conversations: list[list[dict]]) -> list[list[int]]:
-    """Each conversation chat-templated with the generation prompt, as token ids (what every engine gets)."""
-    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+def render_texts(tokenizer: Any, conversations: list[list[dict]]) -> list[str]:
+    """Each conversation chat-templated with the generation prompt."""
+    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+
+
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Rendered texts as token ids (what every engine gets)."""
     # The template already renders BOS-like markers, so the tokenizer must not add its own.
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def render_rows(tokenizer: Any, conversations: list[list[dict]]) -> list[list[int]]:
+    """Each conversation chat-templated with the generation prompt, as token ids."""
+    return encode_texts(tokenizer, render_texts(tokenizer, conversations))
 
 
 def decode_answers(tokenizer: Any, new_rows: list[list[int]], eos: list[int]) -> list[Answer]:
@@ -163,9 +173,22 @@ def generate_batch(
 
     `seeds` (one per conversation) switch on per-row sampling; None means greedy.
     """
-    eos = eos_ids(model, tokenizer)
+    return generate_texts(model, tokenizer, render_texts(tokenizer, conversations), rcfg.max_new_tokens,
+                          rcfg.temperature, rcfg.top_p, seeds)
+
+
+def generate_texts(
+    model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int, temperature: float, top_p: float,
+    seeds: list[int] | None, stop_ids: list[int] | None = None,
+) -> list[Answer]:
+    """Continue each rendered text (batched, left padded) until a stop token or `max_new_tokens`.
+
+    Stops at the target's EOS ids plus `stop_ids`. `seeds` (one per text) switch on per-row sampling at
+    `temperature` / `top_p`; None means greedy. The answer text excludes the stop token.
+    """
+    eos = sorted(set(eos_ids(model, tokenizer)) | set(stop_ids or []))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    rows = render_rows(tokenizer, conversations)
+    rows = encode_texts(tokenizer, texts)
     width = max(len(r) for r in rows)
     device = next(model.parameters()).device
     # Left padding: every row's last prompt token sits at the same column, so new tokens line up; the
@@ -176,10 +199,10 @@ def generate_batch(
     for i, r in enumerate(rows):
         ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
         att[i, width - len(r):] = 1
-    gen_cfg = GenerationConfig(max_new_tokens=rcfg.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
     procs = LogitsProcessorList()
     if seeds is not None:
-        procs.append(RowSampler(seeds, rcfg.temperature, rcfg.top_p, device))
+        procs.append(RowSampler(seeds, temperature, top_p, device))
     with torch.no_grad():
         out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), generation_config=gen_cfg,
                              logits_processor=procs)
@@ -254,7 +277,9 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
             "top_p": r.top_p, "system_prompt": r.system_prompt, "seed": cfg.seed, "engine": r.engine}
 
 
-def _check_settings(meta_path: Path, out_path: Path, settings: dict[str, Any], resuming: bool) -> None:
+def check_settings(meta_path: Path, out_path: Path, settings: dict[str, Any], resuming: bool,
+                   section: str = "regenerate") -> None:
+    """Store `settings` beside a new output, or refuse to resume an output written with other settings."""
     if not resuming:
         write_atomic(meta_path, json.dumps(settings, indent=2))
         return
@@ -265,7 +290,7 @@ def _check_settings(meta_path: Path, out_path: Path, settings: dict[str, Any], r
     for key in settings:
         was = old.get(key, _SETTING_DEFAULTS.get(key))
         if was != settings[key]:
-            raise DataError(f"{out_path} was written with regenerate setting '{key}' = {was!r}, now "
+            raise DataError(f"{out_path} was written with {section} setting '{key}' = {was!r}, now "
                             f"{settings[key]!r}; rerun with the old settings to resume, or delete it")
 
 
@@ -339,7 +364,7 @@ def regenerate(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> dict
     out_path = output_path(cfg, rcfg.shard_index if sharded else None)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done_ids = read_done(out_path)
-    _check_settings(out_path.with_suffix(".meta.json"), out_path, _settings(cfg), out_path.exists())
+    check_settings(out_path.with_suffix(".meta.json"), out_path, _settings(cfg), out_path.exists())
     done = set(done_ids)
     pending = sum(j.id not in done for j in jobs)
 
@@ -381,6 +406,9 @@ def regenerate(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> dict
 
 
 def format_summary(s: dict[str, Any]) -> str:
+    if "data_parallel_size" in s:
+        return (f"regenerate: {s['records']} records in {s['output']} from {s['data_parallel_size']} "
+                f"data-parallel copies in {s['seconds']:.1f} s")
     return (f"regenerate: {s['records']} records in {s['output']} ({s['prompts_generated']} generated now, "
             f"{s['prompts_resumed']} from an earlier run) | {s['prompts_per_s']:.2f} prompts/s, "
             f"{s['tokens_per_s']:.1f} tokens/s, {s['generated_tokens']} tokens in {s['seconds']:.1f} s | "
@@ -396,7 +424,7 @@ def _join(parts: list[tuple[Path, list[str]]], out_path: Path, settings: dict[st
         if got != want:
             raise DataError(f"{part}: holds {len(got)} of its {len(want)} records"
                             + ("" if len(got) < len(want) else " (other ids)") + "; rerun it, then merge")
-        _check_settings(part.with_suffix(".meta.json"), part, settings, True)
+        check_settings(part.with_suffix(".meta.json"), part, settings, True)
     tmp = out_path.with_name(out_path.name + ".merging")
     with tmp.open("wb") as f:
         for part, _ in parts:
@@ -493,29 +521,35 @@ def _data_parallel(cfg: RunConfig) -> dict[str, Any]:
             "seconds": seconds}
 
 
-@cli_main
-def main(argv: list[str] | None = None) -> None:
+def run_cli(description: str, run: Callable[[RunConfig], dict[str, Any]], fmt: Callable[[dict[str, Any]], str],
+            name: str, saved: str, argv: list[str] | None) -> None:
+    """The data stages' runner (inside their `cli_main`): parse the common flags, run, print the summary;
+    Ctrl-C says what `saved` and exits 130."""
     from data.config import parse_args
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    merging = bool(argv) and argv[0] == "merge"
-    cfg, _ = parse_args("Answer prompts with the target (self-distillation) and write ShareGPT JSONL "
-                        "(`merge`: join the shards of a job array).", argv[1:] if merging else argv)
+    cfg, _ = parse_args(description, argv)
     try:
-        if merging:
-            s = merge(cfg)
-            print(f"regenerate merge: {s['records']} records from {s['shards']} shards in {s['output']}")
-            return
-        summary = regenerate(cfg)
-        if "data_parallel_size" in summary:
-            print(f"regenerate: {summary['records']} records in {summary['output']} from "
-                  f"{summary['data_parallel_size']} data-parallel copies in {summary['seconds']:.1f} s")
-            return
+        summary = run(cfg)
     except KeyboardInterrupt:
-        print("\nregenerate: interrupted; finished conversations are saved, rerun the same command to resume",
-              file=sys.stderr)
+        print(f"\n{name}: interrupted; {saved}, rerun the same command to resume", file=sys.stderr)
         raise SystemExit(130) from None
-    print(format_summary(summary))
+    print(fmt(summary))
+
+
+def format_merge(s: dict[str, Any]) -> str:
+    return f"regenerate merge: {s['records']} records from {s['shards']} shards in {s['output']}"
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "merge":
+        run_cli("Join the shard files of a job array (regenerate.num_shards) into one output.", merge,
+                format_merge, "regenerate merge", "nothing was written", argv[1:])
+        return
+    run_cli("Answer prompts with the target (self-distillation) and write ShareGPT JSONL "
+            "(`merge`: join the shards of a job array).", regenerate, format_summary, "regenerate",
+            "finished conversations are saved", argv)
 
 
 if __name__ == "__main__":

@@ -2,17 +2,19 @@
 # The main job on the packaged default target (SmolLM2-135M-Instruct, CPU is fine):
 #   ./scripts/quickstart.sh [OUT]        (default OUT=runs/quickstart)
 # 1. install the project into .venv (CPU torch pinned where there is no CUDA);
-# 2. regenerate answers to bundled GSM8K prompts with the target itself (self-distillation);
-# 3. tokenize them and extract the target's hidden states into an offline store;
-# 4. train an EAGLE-3 head on that store (prints held-out per-step top-1 and simulated tau);
-# 5. evaluate the head with the exact speculative decoder and print the report table.
-# Each stage resumes where it stopped if the script is interrupted and run again.
-# Knobs (environment): QS_PROMPTS (default 128), QS_MAX_NEW (default 160), QS_STEPS (training steps),
-# QS_QUESTIONS (eval questions per benchmark, default 4).
+# 2. the target writes its own training prompts (coding, math, writing, ... user turns; deduplicated, none
+#    overlapping a benchmark prompt), mixed with bundled GSM8K train questions;
+# 3. regenerate answers to them with the target itself (self-distillation);
+# 4. tokenize them and extract the target's hidden states into an offline store;
+# 5. train an EAGLE-3 head on that store (prints held-out per-step top-1 and simulated tau);
+# 6. evaluate the head with the exact speculative decoder and print the report table.
+# Each stage resumes where it stopped if the script is interrupted and run again; each prints its time.
+# Knobs (environment): QS_PROMPTS (default 256), QS_MAX_NEW (answer tokens, default 160), QS_STEPS
+# (training steps), QS_QUESTIONS (eval questions per benchmark, default 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/quickstart}"
-PROMPTS="${QS_PROMPTS:-128}"
+PROMPTS="${QS_PROMPTS:-256}"
 MAX_NEW="${QS_MAX_NEW:-160}"
 QUESTIONS="${QS_QUESTIONS:-4}"
 CONFIG=configs/smollm2-135m.yaml
@@ -24,18 +26,29 @@ mkdir -p "$OUT"
 STEP_ARGS=()
 [ -n "${QS_STEPS:-}" ] && STEP_ARGS=("--train.max_steps=$QS_STEPS")
 
-echo "== 1/4 regenerate answers with the target ($PROMPTS prompts, <= $MAX_NEW new tokens each)"
-$PY -m data.regenerate --config "$CONFIG" --out "$OUT" \
-  --regenerate.num_prompts="$PROMPTS" --regenerate.max_new_tokens="$MAX_NEW"
+stage() { echo "== $1"; STAGE_START=$SECONDS; }
+took() { echo "-- took $((SECONDS - STAGE_START)) s"; }
 
-echo "== 2/4 extract the target's features into an offline store"
+stage "1/5 the target writes $PROMPTS training prompts"
+$PY -m data.prompts --config "$CONFIG" --out "$OUT" --prompts.num_prompts="$PROMPTS"
+took
+
+stage "2/5 regenerate answers with the target (<= $MAX_NEW new tokens each)"
+$PY -m data.regenerate --config "$CONFIG" --out "$OUT" --regenerate.prompts="$OUT/prompts.jsonl" \
+  --regenerate.max_new_tokens="$MAX_NEW"
+took
+
+stage "3/5 extract the target's features into an offline store"
 $PY -m data.extract --config "$CONFIG" --out "$OUT" --data.path="$OUT/regenerated.jsonl"
+took
 
-echo "== 3/4 train the EAGLE-3 head"
+stage "4/5 train the EAGLE-3 head"
 $PY train/eagle.py --config "$CONFIG" --out "$OUT" --data.path="$OUT/regenerated.jsonl" \
   --resume auto "${STEP_ARGS[@]}"
+took
 
-echo "== 4/4 evaluate with the exact speculative decoder"
+stage "5/5 evaluate with the exact speculative decoder"
 $PY -m eval.run --head "$OUT/head" --bench mt_bench,humaneval,gsm8k --max-questions "$QUESTIONS" \
   --out "$OUT/eval"
+took
 cat "$OUT/eval/report.md"

@@ -1,4 +1,4 @@
-"""Bad input at the real entry points (python -m data.regenerate / data.tokenize, run as subprocesses):
+"""Bad input at the real entry points (python -m data.regenerate / data.tokenize / data.prompts, as subprocesses):
 a malformed JSONL line, an unknown config key and a missing model file each give exit code 2 and one
 `error:` line on stderr that names the place (file and line, key and file, or the missing path).
 
@@ -19,7 +19,8 @@ from procs import communicate, start
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["regenerate-malformed-line", "regenerate-unknown-key", "regenerate-missing-model",
-         "tokenize-malformed-line", "tokenize-unknown-key", "tokenize-missing-model"]
+         "tokenize-malformed-line", "tokenize-unknown-key", "tokenize-missing-model",
+         "prompts-out-of-range", "prompts-unknown-domain-key"]
 
 
 def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
@@ -41,6 +42,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                  "command line (<defaults> + overrides): unknown key 'data.max_lenght'"),
         "tokenize-missing-model": (["data.tokenize", f"--target.name_or_path={tmp / 'no-model'}"],
                                    f"target.name_or_path: {tmp / 'no-model'} does not exist"),
+        "prompts-out-of-range": (["data.prompts", *tiny, "--prompts.mix_share=1.5"],
+                                 "prompts.mix_share must be in [0, 1)"),
+        "prompts-unknown-domain-key": (["data.prompts", *tiny, "--prompts.domains=[{name: a, hint: b}]"],
+                                       "unknown key 'prompts.domains[0].hint'"),
     }
 
 

@@ -28,7 +28,6 @@ from test_decoder import (  # noqa: F401  (fixtures)
     sharp_model,
     target,
 )
-from test_sampling_exactness import vocab4_model  # noqa: F401
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import eval.drafters as drafters
@@ -43,6 +42,15 @@ from heads.base import DraftTree
 
 # A CPU-like verify curve (ms): drafting pays only for well-accepted drafts.
 VERIFY = VerifyCost({1: 0.057, 2: 0.075, 4: 0.11, 8: 0.125, 16: 0.2}, context_len=64)
+
+
+@pytest.fixture(scope="module")
+def vocab4_model():
+    """A 4-token Llama whose 4-token sequence law is enumerable (sampling-law tests under a policy)."""
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.6)
+    return LlamaForCausalLM(cfg).eval()
 
 
 class RandomPolicy:
@@ -314,7 +322,7 @@ def _sampled(model, i):
     return ModelDrafter(model, generator=torch.Generator().manual_seed(10_000 + i))
 
 
-def test_sampling_exact_under_a_random_policy(vocab4_model, head4):  # noqa: F811
+def test_sampling_exact_under_a_random_policy(vocab4_model, head4):
     def run():
         return sampling_pvalue(vocab4_model, PROMPT4, lambda i: _sampled(head4, i), samples=400,
                                make_policy=lambda i: RandomPolicy(i))
@@ -323,7 +331,7 @@ def test_sampling_exact_under_a_random_policy(vocab4_model, head4):  # noqa: F81
     assert pv > 1e-3, f"chi-square p = {pv:.2e}"
 
 
-def test_hybrid_sampling_is_exact_and_a_biased_hybrid_fails(vocab4_model, head4, monkeypatch):  # noqa: F811
+def test_hybrid_sampling_is_exact_and_a_biased_hybrid_fails(vocab4_model, head4, monkeypatch):
     def run():
         return sampling_pvalue(vocab4_model, PROMPT4, lambda i: HybridDrafter(_sampled(head4, i)),
                                samples=500, make_policy=lambda i: RandomPolicy(i, p_zero=0.1))
@@ -336,7 +344,7 @@ def test_hybrid_sampling_is_exact_and_a_biased_hybrid_fails(vocab4_model, head4,
     assert pv < 1e-6, f"the biased hybrid passed (p = {pv:.2e})"
 
 
-def test_hybrid_with_a_topk_tree_samples_exactly(vocab4_model):  # noqa: F811
+def test_hybrid_with_a_topk_tree_samples_exactly(vocab4_model):
     """An EAGLE-2 dynamic tree (deterministic top-k children, sampling "topk") plus n-gram branches."""
     io = target_io(vocab4_model)
     torch.manual_seed(0)

@@ -1,0 +1,182 @@
+"""data.prompts: user-turn prefix from two chat templates, dedup and benchmark-overlap filters, the summary,
+batch-size independence and resume after a kill (tiny random target, in process and as a subprocess).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_prompts.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_tokenize import llama3_tokenizer
+
+import data.prompts as pr
+from data.config import ConfigError, PromptsConfig, RunConfig, TargetConfig, load_config
+from data.readers import DataError, read_records
+from data.target import byte_tokenizer, load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+# Tiny-target settings: random bytes are rarely words, so the length floors are off; short turns finish.
+TINY_FLAGS = ["--target.name_or_path=tiny-random-llama", "--target.device=cpu", "--prompts.max_new_tokens=12",
+              "--prompts.min_chars=0", "--prompts.min_words=0", "--prompts.num_prompts=12",
+              "--prompts.mix_share=0.25", "--prompts.batch_size=4", "--prompts.max_candidates_factor=30"]
+
+
+@pytest.mark.parametrize("make,ends", [(byte_tokenizer, ("<|im_start|>user\n", "<|im_end|>\n")),
+                                       (llama3_tokenizer, ("<|start_header_id|>user<|end_header_id|>\n\n",
+                                                           "<|eot_id|>"))], ids=["chatml", "llama3"])
+def test_user_turn_prefix_is_found_from_the_template(make, ends):
+    tok = make()
+    for system in (None, "Hint: ask about code."):
+        prefix, end = pr.user_turn_prefix(tok, system)
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "Hello"}]
+        # prefix + content + end is exactly the template's rendering of that conversation
+        assert prefix + "Hello" + end == tok.apply_chat_template(msgs, tokenize=False)
+        assert prefix.endswith(ends[0]) and end == ends[1]
+        assert system is None or system in prefix
+    # the end-of-turn marker stops sampling (as one special token), and so does every special token
+    stops = pr.stop_token_ids(tok, end)
+    assert tok.convert_tokens_to_ids(end.strip()) in stops
+    assert set(tok.all_special_ids) <= set(stops)
+    assert tok.convert_tokens_to_ids("a") not in stops
+
+
+def test_a_template_whose_prefix_depends_on_the_content_is_refused():
+    tok = byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] | length }}:{{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(DataError, match="differently for different contents"):
+        pr.user_turn_prefix(tok)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+                         "{% endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(DataError, match="after a system hint"):
+        pr.user_turn_prefix(tok, "hint")
+
+
+def test_dedup_drops_normalized_and_near_duplicates():
+    filt = pr.PromptFilter(PromptsConfig(), pr.OverlapIndex(5))
+    long = "Write a Python function that returns the sum of the squares of all even numbers in a list."
+    assert filt.verdict(long, True) == "kept"
+    assert filt.verdict("write a python function, that RETURNS the sum of the squares of all even numbers in "
+                        "a list!", True) == "duplicate"  # same words, other case and punctuation
+    # one word changed: 11 of its 14 five-grams are in the kept prompt
+    assert filt.verdict(long.replace("even", "odd"), True) == "duplicate"
+    assert filt.verdict("Explain why the sky is blue during the day but red at sunset.", True) == "kept"
+    assert filt.verdict("Hi there", True) == "short"
+    assert filt.verdict("A long question that the target never finished because it ran out of", False) == "unfinished"
+    assert filt.verdict("Write a poem about the sea and the wind in the harbour at night.", True) == "kept"
+
+
+def test_benchmark_overlap_filter_drops_benchmark_prompts():
+    filt = pr.PromptFilter(PromptsConfig(), pr.benchmark_index(5))
+    mt = read_records(ROOT / "data" / "bundled" / "mt_bench.jsonl")[0][0].messages[0]["content"]
+    gsm = json.loads((ROOT / "data" / "bundled" / "gsm8k_test.jsonl").read_text().splitlines()[0])["question"]
+    assert filt.verdict(mt, True) == "benchmark"
+    assert filt.verdict("Please help me. " + mt + " Thanks a lot, and make it funny too.", True) == "benchmark"
+    # a short benchmark turn inside a long prompt: few of the prompt's n-grams, all of the turn's
+    turns = [m["content"] for r in read_records(ROOT / "data" / "bundled" / "mt_bench.jsonl")[0] for m in r.messages]
+    short = min((t for t in turns if len(t.split()) >= 12), key=len)
+    filler = " ".join(f"word{i}" for i in range(40))
+    assert pr.benchmark_index(5).max_overlap(f"{filler} {short} {filler}") < 0.3
+    assert filt.verdict(f"{filler} {short} {filler}", True) == "benchmark"
+    assert filt.verdict(gsm.replace(".", "!"), True) == "benchmark"
+    # a HumanEval stub pasted into a question is caught by its own n-grams (both ways)
+    he = read_records(ROOT / "data" / "bundled" / "HumanEval.jsonl.gz")[0][3].messages[0]["content"]
+    assert filt.verdict("Fix this code:\n" + he, True) == "benchmark"
+    assert filt.verdict("What are good names for a small orange cat that likes to sleep all day?", True) == "kept"
+
+
+def test_config_section_is_validated(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("prompts:\n  domains:\n    - name: code\n      hint: nope\n")
+    with pytest.raises(ConfigError, match=r"prompts\.domains\[0\]\.hint"):
+        load_config(bad)
+    for override, key in [("--prompts.mix_share=1.0", "prompts.mix_share"), ("--prompts.temperature=0", "temperature"),
+                          ("--prompts.max_dup_overlap=0", "max_dup_overlap")]:
+        cfg = load_config(None, [override])
+        with pytest.raises(DataError, match=key):
+            pr.check_prompts_config(cfg.prompts)
+    cfg = load_config(None, ["--prompts.domains=[{name: a}, {name: a}]"])
+    with pytest.raises(DataError, match=r"domains\[1\]\.name"):
+        pr.check_prompts_config(cfg.prompts)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(TargetConfig(name_or_path="tiny-random-llama", device="cpu")), byte_tokenizer()
+
+
+def _cfg(out: Path, *flags: str) -> RunConfig:
+    cfg = load_config(None, [*TINY_FLAGS, *flags])
+    cfg.out = str(out)
+    return cfg
+
+
+def test_summary_counts_every_candidate_and_output_mixes_gsm8k(tmp_path, tiny):
+    s = pr.write_prompts(_cfg(tmp_path), *tiny)
+    rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert len(rows) == s["prompts"] == 12 and s["mixed"] == 3 and s["self_written"] == 9
+    assert len({r["id"] for r in rows}) == 12
+    mixed = [r for r in rows if r["category"] == "mix"]
+    gsm = read_records(ROOT / "data" / "bundled" / "gsm8k_train.jsonl", max_samples=3)[0]
+    assert sorted(r["prompt"] for r in mixed) == sorted(r.messages[0]["content"] for r in gsm)
+    domains = s["domains"]
+    assert sum(d["generated"] for d in domains.values()) == s["candidates"]
+    assert sum(d["kept"] for d in domains.values()) == 9
+    for name, d in domains.items():
+        assert d["kept"] + sum(d["dropped"].values()) <= d["generated"]  # kept beyond the target are not counted
+        mine = [r for r in rows if r["category"] == name]
+        assert len(mine) == d["kept"]
+        assert d["mean_chars"] == pytest.approx(sum(len(r["prompt"]) for r in mine) / len(mine) if mine else 0.0)
+    assert json.loads((tmp_path / "prompts.summary.json").read_text()) == s
+    assert "coding" in pr.format_summary(s)
+    # the output is what data.regenerate reads: prompt records, one user turn each, domain as category
+    recs, _ = read_records(tmp_path / "prompts.jsonl")
+    assert [r.messages[0]["role"] for r in recs] == ["user"] * 12
+    assert {r.meta["category"] for r in recs} <= set(domains) | {"mix"}
+
+
+def test_batch_size_does_not_change_the_prompts(tmp_path, tiny):
+    pr.write_prompts(_cfg(tmp_path / "b1", "--prompts.batch_size=1"), *tiny)
+    pr.write_prompts(_cfg(tmp_path / "b5", "--prompts.batch_size=5"), *tiny)
+    assert (tmp_path / "b1" / "prompts.jsonl").read_text() == (tmp_path / "b5" / "prompts.jsonl").read_text()
+
+
+def test_resume_with_other_settings_is_refused(tmp_path, tiny):
+    pr.write_prompts(_cfg(tmp_path), *tiny)
+    with pytest.raises(DataError, match="prompts setting 'prompts'"):
+        pr.write_prompts(_cfg(tmp_path, "--prompts.top_p=0.5"), *tiny)
+
+
+def test_kill_mid_run_then_resume_equals_uninterrupted(tmp_path):
+    flags = [*TINY_FLAGS, "--prompts.num_prompts=24", "--prompts.batch_size=2"]
+    journal = tmp_path / "killed" / "prompts.candidates.jsonl"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "data.prompts", "--out", str(tmp_path / "killed"), *flags],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (journal.is_file() and journal.read_bytes().count(b"\n") >= 4) and proc.poll() is None:
+            assert time.time() < deadline, "prompt-writing subprocess wrote nothing in 120 s"
+            time.sleep(0.01)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # its whole process group, also when the loop above failed
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (tmp_path / "killed" / "prompts.jsonl").exists()
+    pr.main(["--out", str(tmp_path / "killed"), *flags])
+    pr.main(["--out", str(tmp_path / "whole"), *flags])
+    for name in ("prompts.jsonl", "prompts.candidates.jsonl"):
+        assert (tmp_path / "killed" / name).read_text() == (tmp_path / "whole" / name).read_text()
+    ids = [json.loads(line)["id"] for line in journal.read_text().splitlines()]
+    assert len(ids) == len(set(ids))
+    killed = json.loads((tmp_path / "killed" / "prompts.summary.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "prompts.summary.json").read_text())
+    assert killed["candidates_resumed"] >= 4 and killed["domains"] == whole["domains"]
