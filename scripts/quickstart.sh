@@ -47,8 +47,8 @@ $PY train/eagle.py --config "$CONFIG" --out "$OUT" --data.path="$OUT/regenerated
   --resume auto "${STEP_ARGS[@]}"
 took
 
-stage "5/5 evaluate with the exact speculative decoder"
-$PY -m eval.run --head "$OUT/head" --bench mt_bench,humaneval,gsm8k --max-questions "$QUESTIONS" \
+stage "5/5 evaluate with the exact speculative decoder (head + n-gram, the head alone beside it)"
+$PY -m eval.run --head "$OUT/head" --drafter head+ngram --bench mt_bench,humaneval,gsm8k --max-questions "$QUESTIONS" \
   --out "$OUT/eval"
 took
 cat "$OUT/eval/report.md"
