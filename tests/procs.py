@@ -1,6 +1,6 @@
 """Subprocesses for tests that can never hang the suite (imported by test modules; not a test module itself).
 
-    from procs import start, finish, communicate, run, free_port
+    from procs import start, finish, communicate, run, free_port, kill_when
     proc = start([sys.executable, "train/eagle.py", ...], cwd=ROOT, env=env)   # its own process group
     rc, out = finish(proc, timeout=300)            # on timeout: the WHOLE group is killed, output so far returned
     res = run([...], timeout=60)                   # start + finish; a CompletedProcess (stdout, stderr)
@@ -19,7 +19,8 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 GRACE_S = 10.0  # after killing the group: how long to wait for the pipes to close
@@ -102,6 +103,23 @@ def run(cmd: Sequence[str], timeout: float, **kwargs: Any) -> subprocess.Complet
     proc = start(cmd, merge_stderr=False, **kwargs)
     out, err = communicate(proc, timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def kill_when(cmd: Sequence[str], ready: Callable[[], bool], timeout: float, **kwargs: Any) -> subprocess.Popen:
+    """Start cmd (its own group, output discarded), wait until ready() or until it ends by itself, then SIGKILL
+    its whole group (a crash-at-any-moment test). Returns the ended process: returncode -SIGKILL when the kill
+    landed. Raises TimeoutError when neither happened within `timeout`; the group is killed either way."""
+    proc = start(cmd, capture=False, **kwargs)
+    try:
+        deadline = time.time() + timeout
+        while not ready() and proc.poll() is None:
+            if time.time() > deadline:
+                raise TimeoutError(f"{' '.join(map(str, cmd))[:200]}: not ready within {timeout:.0f} s")
+            time.sleep(0.005)
+    finally:
+        kill_group(proc)
+        proc.wait()
+    return proc
 
 
 def free_port() -> int:

@@ -9,13 +9,12 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
-from procs import kill_group, start
+from procs import kill_when
 from procs import run as run_proc
 
 from data.config import RunConfig, load_config
@@ -195,16 +194,9 @@ def test_killed_extraction_resumes_to_the_same_store(tmp_path: Path) -> None:
     cfg_file = write_config(tmp_path / "c.yaml", data)
     killed, oneshot = tmp_path / "killed", tmp_path / "oneshot"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = start([sys.executable, "-m", "data.extract", "--config", str(cfg_file), "--out", str(killed),
-                  "--split", "train"], capture=False, cwd=ROOT, env=env)
     part = killed / "features" / "train" / part_name(0, 1)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if part.is_file() and read_json(part)["shards"]:
-            break
-        time.sleep(0.005)
-    kill_group(proc)
-    proc.wait()
+    kill_when([sys.executable, "-m", "data.extract", "--config", str(cfg_file), "--out", str(killed), "--split",
+               "train"], lambda: part.is_file() and bool(read_json(part)["shards"]), 240, cwd=ROOT, env=env)
     state = read_json(part)
     assert 1 <= len(state["shards"]) < state["planned_shards"], "the kill did not land half-way"
     assert not (killed / "features" / "train" / MANIFEST).exists()

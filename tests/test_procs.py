@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from procs import finish, free_port, run, start
+from procs import finish, free_port, kill_when, run, start
 
 # The grandchild prints its pid, then sleeps forever holding the inherited stdout; the parent also sleeps.
 GRANDCHILD = ("import subprocess, sys, time; "
@@ -62,6 +62,17 @@ def test_grandchild_holding_the_pipe_is_killed_with_the_group(script: str) -> No
         time.sleep(0.05)
     assert not _alive(grandchild), "the grandchild survived its group's kill"
     assert time.monotonic() - t0 < 20
+
+
+def test_kill_when_kills_a_ready_child_and_times_out_on_a_stuck_one(tmp_path) -> None:
+    marker = tmp_path / "ready"
+    proc = kill_when([sys.executable, "-c", f"import pathlib, time; pathlib.Path({str(marker)!r}).touch(); "
+                      "time.sleep(3600)"], marker.exists, timeout=60)
+    assert proc.returncode == -9
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="not ready within 2 s"):
+        kill_when([sys.executable, "-c", "import time; time.sleep(3600)"], lambda: False, timeout=2)
+    assert time.monotonic() - t0 < 15
 
 
 def test_run_returns_output_and_code() -> None:

@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from procs import kill_when
 from test_tokenize import llama3_tokenizer
 
 import data.prompts as pr
@@ -158,17 +157,8 @@ def test_kill_mid_run_then_resume_equals_uninterrupted(tmp_path):
     flags = [*TINY_FLAGS, "--prompts.num_prompts=24", "--prompts.batch_size=2"]
     journal = tmp_path / "killed" / "prompts.candidates.jsonl"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "data.prompts", "--out", str(tmp_path / "killed"), *flags],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while not (journal.is_file() and journal.read_bytes().count(b"\n") >= 4) and proc.poll() is None:
-            assert time.time() < deadline, "prompt-writing subprocess wrote nothing in 120 s"
-            time.sleep(0.01)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # its whole process group, also when the loop above failed
-        proc.wait()
+    proc = kill_when([sys.executable, "-m", "data.prompts", "--out", str(tmp_path / "killed"), *flags],
+                     lambda: journal.is_file() and journal.read_bytes().count(b"\n") >= 4, 120, cwd=ROOT, env=env)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (tmp_path / "killed" / "prompts.jsonl").exists()
     pr.main(["--out", str(tmp_path / "killed"), *flags])

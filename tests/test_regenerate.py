@@ -9,12 +9,11 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from procs import kill_group, start
+from procs import kill_when
 
 import data.regenerate as rg
 from data.config import RunConfig, TargetConfig
@@ -211,17 +210,8 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
              "--regenerate.num_prompts=null", "--target.name_or_path=tiny-random-llama", "--target.device=cpu"]
     out = tmp_path / "killed" / "regenerated.jsonl"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    proc = start([sys.executable, "-m", "data.regenerate", "--out", str(tmp_path / "killed"), *flags],
-                 capture=False, cwd=ROOT, env=env)
-    try:
-        deadline = time.time() + 120
-        while not (out.is_file() and out.read_bytes().count(b"\n") >= 2) and proc.poll() is None:
-            assert time.time() < deadline, "regeneration subprocess wrote nothing in 120 s"
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        kill_group(proc)  # also when an assertion fails before the kill
-        proc.wait()
+    proc = kill_when([sys.executable, "-m", "data.regenerate", "--out", str(tmp_path / "killed"), *flags],
+                     lambda: out.is_file() and out.read_bytes().count(b"\n") >= 2, 120, cwd=ROOT, env=env)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert 2 <= out.read_bytes().count(b"\n") < 10
     rg.main(["--out", str(tmp_path / "killed"), *flags])
