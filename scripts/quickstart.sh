@@ -7,7 +7,7 @@
 # 3. regenerate answers to them with the target itself (self-distillation);
 # 4. tokenize them and extract the target's hidden states into an offline store;
 # 5. train an EAGLE-3 head on that store (prints held-out per-step top-1 and simulated tau);
-# 6. evaluate the head with the exact speculative decoder and print the report table.
+# 6. evaluate the head + n-gram hybrid (and the head alone) with the exact speculative decoder; print the report.
 # Each stage resumes where it stopped if the script is interrupted and run again; each prints its time.
 # Knobs (environment): QS_PROMPTS (default 256), QS_MAX_NEW (answer tokens, default 160), QS_STEPS
 # (training steps), QS_QUESTIONS (eval questions per benchmark, default 4).
