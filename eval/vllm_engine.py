@@ -1,7 +1,7 @@
 """Served acceptance: run the eval's own prompts through vLLM with the exported head, and check agreement.
 
 `python -m eval.run --head H --bench gsm8k --engine vllm` calls `served_sections` after the built-in eval:
-the head is exported to vLLM's speculators layout (heads/export.py) in a temporary folder, then the very
+the head is exported to vLLM's speculators layout (convert/) in a temporary folder, then the very
 token ids the built-in decoder answered (every turn, every temperature) go through vLLM one request at a
 time, once with the head as vLLM's EAGLE-3 drafter (num_speculative_tokens = the eval's k) and once
 without speculation. Each vLLM run is a worker process of this module (`python -m eval.vllm_engine JOB
@@ -41,12 +41,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SERVED_FAMILIES = {"eagle3": "speculators"}
-NOT_SERVED = {
-    "eagle1": "no vLLM layout is exported for EAGLE-1 (native only)",
-    "medusa": "exported in the Medusa repository's layout; vLLM's Medusa model expects other names and config",
-    "mtp": "vLLM serves MTP modules only inside DeepSeek-style target checkpoints",
-}
+# Which families vLLM serves, and from which layout, each family declares in convert/<family>.py.
+from convert import ExportError, export_head, served_by_vllm
+from heads.base import read_head_config
+
 ACCEPTANCE_DEFINITION = ("conditional acceptance per draft position d: accepted at d / tested at d, where a chain "
                          "tests d when d-1 was accepted (vLLM: accepted_per_pos[d] / accepted_per_pos[d-1], "
                          "num_drafts for d = 1), the built-in decoder's acceptance_per_position")
@@ -61,8 +59,9 @@ def check_servable(family: str | None, drafter: str, tree: str) -> None:
     """Refuse, before any eval work, what vLLM cannot serve (the reason is in the message)."""
     if drafter != "head" or family is None:
         raise ServeError("--engine vllm needs a head (--head): vLLM's n-gram proposer is not ours to compare")
-    if family not in SERVED_FAMILIES:
-        raise ServeError(f"--engine vllm: a {family} head is not served by vLLM here: {NOT_SERVED.get(family, '')}")
+    serving, why_not = served_by_vllm(family)
+    if serving is None:
+        raise ServeError(f"--engine vllm: a {family} head is not served by vLLM here: {why_not}")
     if tree not in ("auto", "chain"):
         raise ServeError(f"--engine vllm compares chains (vLLM drafts a chain); eval.tree is '{tree}'")
     from data.vllm_engine import require_vllm
@@ -191,8 +190,8 @@ def served_sections(
     """
     from data.config import to_dict
     from data.vllm_engine import target_folder
-    from heads.export import ExportError, export_head
 
+    serving, _ = served_by_vllm(read_head_config(head_dir)[1]["family"])  # check_servable refused None
     folder = target_folder(target_cfg)
     groups = [{"temperature": float(t), "bench": b, "requests": [{"ids": ids, "seed": s} for ids, s in reqs]}
               for (t, b), reqs in requests.items()]
@@ -201,13 +200,13 @@ def served_sections(
                 "max_new_tokens": max_new_tokens, "eos": list(eos), "groups": groups,
                 "max_model_len": longest + max_new_tokens + k + 8}
     with tempfile.TemporaryDirectory(prefix="draftheads-export-") as tmp:
-        export = Path(tmp) / "speculators"
+        export = Path(tmp) / serving.format
         try:
-            export_head(head_dir, "speculators", export, io, verifier=folder, speculative_tokens=k)
+            export_head(head_dir, serving.format, export, io, verifier=folder, speculative_tokens=k)
         except ExportError as e:
             raise ServeError(f"cannot export {head_dir} for vLLM: {e}") from None
-        spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": k}
-        log(f"vllm: exported {head_dir} to the speculators layout; serving it with k {k} "
+        spec = {"method": serving.method, "model": str(export), "num_speculative_tokens": k}
+        log(f"vllm: exported {head_dir} to the {serving.format} layout; serving it with k {k} "
             f"({sum(len(g['requests']) for g in groups)} requests, one at a time)")
         with_spec = run_worker(base_job | {"speculative_config": spec}, timeout_s, log)
     log("vllm: the same requests without speculation")
@@ -244,9 +243,9 @@ def served_sections(
                 log(f"WARNING: {bench} (T={temp}): vLLM acceptance at position {bad['position']} is "
                     f"{bad['vllm']:.3f} {bad['vllm_ci95']}, the built-in decoder's {bad['builtin']:.3f} "
                     f"{bad['builtin_ci95']}: the served head does not compute what was evaluated; likely an "
-                    "export bug (layer ids, norms, d2t, RoPE): check heads/export.py against the engine")
-        sec = sections.setdefault(bench, {"engine": f"vllm {with_spec['vllm_version']}", "method": "eagle3",
-                                          "export": "speculators", "num_speculative_tokens": k,
+                    "export bug (layer ids, norms, d2t, RoPE): check convert/ against the engine")
+        sec = sections.setdefault(bench, {"engine": f"vllm {with_spec['vllm_version']}", "method": serving.method,
+                                          "export": serving.format, "num_speculative_tokens": k,
                                           "requests": "one at a time (batch 1), the eval's own prompt ids",
                                           "acceptance_definition": ACCEPTANCE_DEFINITION, "by_temperature": {}})
         sec["by_temperature"][temp] = row

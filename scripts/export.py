@@ -8,7 +8,7 @@
 
 The target (needed for its config, RoPE, embedding and lm_head) defaults to the one recorded in the head
 folder; `--target` names another (a named default, a local folder or a Hub id). Every export is checked
-key by key against heads/formats/<format>.json and refused, unwritten, if anything is missing.
+key by key against convert/formats/<format>.json and refused, unwritten, if anything is missing.
 """
 
 from __future__ import annotations
@@ -16,19 +16,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from convert import EXPORT_FORMATS, FLOAT_DTYPES, IMPORT_FORMATS, check_out, export_head, import_folder
 from data.cli import cli_main
 from data.config import TargetConfig
 from data.target import load_target, resolve_device
 from heads.base import TargetIO, read_head_config, save_head
-from heads.export import (
-    EXPORT_FORMATS,
-    FLOAT_DTYPES,
-    IMPORT_FORMATS,
-    ExportError,
-    check_replaceable,
-    export_head,
-    import_folder,
-)
 
 
 def load_target_io(name: str, device: str = "cpu") -> TargetIO:
@@ -69,13 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         target = load_target_io(args.target or meta["target"]["name_or_path"], args.device)
         out = export_head(args.head, args.to, args.out, target, verifier=args.verifier,
                           speculative_tokens=args.speculative_tokens, dtype=args.dtype, force=args.force)
-        print(f"exported {args.head} -> {out} ({args.to}), checked against heads/formats/{args.to}.json")
+        print(f"exported {args.head} -> {out} ({args.to}), checked against convert/formats/{args.to}.json")
     else:
         out_dir = Path(args.out)
-        if out_dir.exists() and any(out_dir.iterdir()):
-            if not args.force:
-                raise ExportError(f"{out_dir}: exists and is not empty (pass --force to replace it)")
-            check_replaceable(out_dir, (args.src,))
+        check_out(out_dir, args.force, (args.src,))
         target = load_target_io(args.target, args.device)
         head, cfg, provenance = import_folder(args.src, args.import_fmt, target)
         save_head(out_dir, head, cfg, target, extra=provenance)

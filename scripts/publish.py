@@ -6,7 +6,7 @@
 The uploaded folder holds the engine layout at its root (EAGLE-3: vLLM speculators; Medusa: the Medusa
 repository layout; MTP: the DeepSeek layout), `sglang/` for EAGLE-3, `draftheads/` (the native head, for
 eval.run), `eval/` (the report) and README.md (the card: target, data, training config, the report's
-table, how to serve with vLLM and SGLang, license). Every export is checked against heads/formats/.
+table, how to serve with vLLM and SGLang, license). Every export is checked against convert/formats/.
 
 The eval report is looked up as `--report PATH` (a report.json / report.md file or a folder holding them),
 else next to the head (`HEAD/`, `HEAD/eval/`, `HEAD/../eval/`). Without one the script refuses unless
@@ -24,17 +24,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from convert import export_head, layouts_of, verifier_id
 from data.cli import UserError, cli_main, is_user_error, one_line
 from data.config import TargetConfig
 from data.target import load_target
 from heads.base import read_head_config
-from heads.export import export_head, verifier_id
 
 
 class PublishError(UserError, RuntimeError):
     """Nothing to publish, or nowhere to stage it; the message names the folder."""
 
-ROOT_FORMAT = {"eagle3": "speculators", "medusa": "medusa", "mtp": "mtp"}
 TAU_NOTE = "tau = tokens emitted per target forward pass, counting the corrected or bonus token (SGLang's accept_length)."
 
 
@@ -191,14 +190,14 @@ def stage(head: Path, meta: dict, out: Path, target_name: str, js: Path | None, 
     """Write the folder to upload: root engine layout, sglang/, draftheads/, eval/."""
     family = meta["family"]
     _, _, target = load_target(TargetConfig(name_or_path=target_name, device="cpu"))
-    fmt = ROOT_FORMAT.get(family)
-    if fmt is None:
+    layouts = layouts_of(family)  # the family's main engine layout first (convert/<family>.py)
+    if not layouts:
         export_head(head, "native", out, target, force=True)
     else:
-        export_head(head, fmt, out, target, speculative_tokens=k, force=True)
+        export_head(head, layouts[0], out, target, speculative_tokens=k, force=True)
         export_head(head, "native", out / "draftheads", target)
-        if family == "eagle3":
-            export_head(head, "sglang", out / "sglang", target)
+        for fmt in layouts[1:]:  # EAGLE-3: sglang/
+            export_head(head, fmt, out / fmt, target)
     report_dir = (js or md).parent if (js or md) else None
     extras = sorted(report_dir.glob("*.png")) if report_dir else []  # the plots report.md links to
     for src in [p for p in (js, md) if p is not None] + extras:

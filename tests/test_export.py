@@ -1,4 +1,4 @@
-"""Exporters and importers (heads/export.py, scripts/export.py) against the written specs in heads/formats/.
+"""Exporters and importers (convert/, scripts/export.py) against the written specs in convert/formats/.
 
 Tiny EAGLE-3, Medusa and MTP heads on the tiny random Llama, perturbed so no tensor is at its init value:
 every format's key list and shapes match its spec, native -> format -> native gives identical tensors and
@@ -17,10 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eval.decoder import speculative_generate
-from heads import eagle, medusa, mtp
-from heads.base import HeadMismatchError, save_head
-from heads.export import (
+from convert import (
     ExportError,
     eval_expr,
     expected_weights,
@@ -32,6 +29,9 @@ from heads.export import (
     validate_folder,
     write_folder,
 )
+from eval.decoder import speculative_generate
+from heads import eagle, medusa, mtp
+from heads.base import HeadMismatchError, save_head
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY_OF = {"speculators": "eagle3", "sglang": "eagle3", "medusa": "medusa", "mtp": "mtp"}
@@ -201,11 +201,11 @@ def test_missing_d2t_refused(fmt, exported, tiny_target, tmp_path):
 
 def test_exporter_refuses_head_without_d2t(heads_dir, tiny_target, tmp_path, monkeypatch):
     """A head whose state lacks d2t (an older head class, say) gets no export, not an identity-map one."""
-    import heads.export as export_mod
+    import convert.eagle3 as eagle3_converter
 
     _, _, io = tiny_target
-    real = export_mod._state
-    monkeypatch.setattr(export_mod, "_state", lambda head: {k: v for k, v in real(head).items() if k != "d2t"})
+    real = eagle3_converter.head_state
+    monkeypatch.setattr(eagle3_converter, "head_state", lambda head: {k: v for k, v in real(head).items() if k != "d2t"})
     with pytest.raises(ExportError, match="'d2t' is missing"):
         export_head(heads_dir["eagle3"][0], "speculators", tmp_path / "out", io)
     assert not (tmp_path / "out").exists()

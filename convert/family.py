@@ -1,0 +1,52 @@
+"""What each head family declares about export: the engine layouts it converts to and what serves it.
+
+Every family has one module here (convert/<family>.py) ending in
+
+    EXPORTS = FamilyExports(family="...", layouts=(Layout("fmt", export_fn, import_fn), ...),
+                            vllm=VllmServing(...) or None, not_served="why vLLM cannot serve it")
+
+and convert/registry.py collects them; nothing outside convert/ names a family's layouts. A Layout's
+`format` names its written specification, convert/formats/<format>.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from heads.base import HeadConfig, TargetIO
+
+# (head, its config, its config.json record, target, verifier Hub id, speculative tokens) -> (config, weights)
+ExportFn = Callable[[nn.Module, HeadConfig, dict, TargetIO, str, int], tuple[dict, dict[str, torch.Tensor]]]
+# (config, weights, target, where) -> (native head config, native state dict)
+ImportFn = Callable[[dict, dict[str, torch.Tensor], TargetIO, str], tuple[HeadConfig, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One engine layout: its format name and the converters to and from the native head."""
+
+    format: str
+    export: ExportFn
+    import_: ImportFn
+
+
+class VllmServing(NamedTuple):
+    """How vLLM serves a family: the layout to export to and vLLM's speculative_config `method`."""
+
+    format: str
+    method: str
+
+
+@dataclass(frozen=True)
+class FamilyExports:
+    """A family's export declaration; `layouts[0]` is its main layout (the root of a Hub upload)."""
+
+    family: str
+    layouts: tuple[Layout, ...] = ()
+    vllm: VllmServing | None = None
+    not_served: str = ""  # why vLLM does not serve this family (when vllm is None)
