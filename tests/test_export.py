@@ -23,15 +23,18 @@ from convert import (
     expected_weights,
     export_head,
     import_folder,
+    layouts_of,
     load_spec,
     resolve_symbols,
+    served_by_vllm,
     validate,
     validate_folder,
     write_folder,
 )
+from convert.registry import FAMILY_EXPORTS
 from eval.decoder import speculative_generate
 from heads import eagle, medusa, mtp
-from heads.base import HeadMismatchError, save_head
+from heads.base import FAMILIES, HeadMismatchError, save_head
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY_OF = {"speculators": "eagle3", "sglang": "eagle3", "medusa": "medusa", "mtp": "mtp"}
@@ -102,6 +105,19 @@ def test_spec_expressions_are_integer_arithmetic_only():
         eval_expr("__import__('os').getcwd()", {})
     with pytest.raises(ExportError, match="unknown symbol 'Q'"):
         eval_expr("Q + 1", {})
+
+
+def test_every_family_declares_its_exports():
+    """A family of the registry says which layouts it exports (each spec names it) and whether vLLM serves
+    it, and from which of its layouts; else why not (eval/vllm_engine.py prints that reason)."""
+    assert sorted(FAMILY_EXPORTS) == sorted(FAMILIES)
+    for family, exports in FAMILY_EXPORTS.items():
+        assert [load_spec(fmt)["family"] for fmt in layouts_of(family)] == [family] * len(exports.layouts)
+        serving, why_not = served_by_vllm(family)
+        assert (serving is None) == bool(why_not), family
+        assert serving is None or serving.format in layouts_of(family)
+    assert served_by_vllm("eagle3")[0] == ("speculators", "eagle3")
+    assert layouts_of("eagle3") == ("speculators", "sglang") and layouts_of("eagle1") == ()
 
 
 @pytest.mark.parametrize("fmt", list(FAMILY_OF))
