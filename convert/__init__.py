@@ -33,6 +33,7 @@ from convert.registry import (
     IMPORT_FORMATS,
     layouts_of,
     served_by_vllm,
+    serving_note,
 )
 from convert.spec import (
     FLOAT_DTYPES,
@@ -50,6 +51,6 @@ __all__ = [
     "EXPORT_FORMATS", "FLOAT_DTYPES", "FORMAT_FAMILIES", "IMPORT_FORMATS", "SPEC_DIR", "ExportError",
     "FamilyExports", "Layout", "VllmServing", "build_export", "causal_lm_architecture", "check_config",
     "check_out", "check_replaceable", "eval_expr", "expected_weights", "export_head", "import_folder",
-    "layouts_of", "load_spec", "read_folder", "resolve_symbols", "rope_fields", "served_by_vllm", "validate",
+    "layouts_of", "load_spec", "read_folder", "resolve_symbols", "rope_fields", "served_by_vllm", "serving_note", "validate",
     "validate_folder", "verifier_id", "write_folder",
 ]

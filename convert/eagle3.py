@@ -174,9 +174,30 @@ def import_sglang(config: dict, state: dict[str, torch.Tensor], target: TargetIO
     return _import(config, state, target, where, config, ids, PREFIX["sglang"])
 
 
+def serving(repo_id: str, target_hub: str, k: int) -> str:
+    """The model card's serving commands: vLLM from the upload's root, SGLang from its `sglang/` folder."""
+    name = repo_id.split("/")[-1]
+    return f"""vLLM (the repository root is the speculators layout; layer ids in vLLM's convention):
+
+```bash
+vllm serve {target_hub} \\
+  --speculative-config '{{"method": "eagle3", "model": "{repo_id}", "num_speculative_tokens": {k}}}'
+```
+
+SGLang (the `sglang/` folder; layer ids in SGLang's convention, one less than vLLM's):
+
+```bash
+huggingface-cli download {repo_id} --include "sglang/*" --local-dir {name}
+python -m sglang.launch_server --model-path {target_hub} --speculative-algorithm EAGLE3 \\
+  --speculative-draft-model-path {name}/sglang --speculative-num-steps {k} \\
+  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}
+```"""
+
+
 EXPORTS = FamilyExports(
     family="eagle3",
     layouts=(Layout("speculators", export_speculators, import_speculators),
              Layout("sglang", export_sglang, import_sglang)),
     vllm=VllmServing(format="speculators", method="eagle3"),
+    serving=serving,
 )

@@ -3,7 +3,8 @@
 Every family has one module here (convert/<family>.py) ending in
 
     EXPORTS = FamilyExports(family="...", layouts=(Layout("fmt", export_fn, import_fn), ...),
-                            vllm=VllmServing(...) or None, not_served="why vLLM cannot serve it")
+                            vllm=VllmServing(...) or None, not_served="why vLLM cannot serve it",
+                            serving=a function writing the model card's serving commands)
 
 and convert/registry.py collects them; nothing outside convert/ names a family's layouts. A Layout's
 `format` names its written specification, convert/formats/<format>.json.
@@ -24,6 +25,8 @@ from heads.base import HeadConfig, TargetIO
 ExportFn = Callable[[nn.Module, HeadConfig, dict, TargetIO, str, int], tuple[dict, dict[str, torch.Tensor]]]
 # (config, weights, target, where) -> (native head config, native state dict)
 ImportFn = Callable[[dict, dict[str, torch.Tensor], TargetIO, str], tuple[HeadConfig, dict[str, torch.Tensor]]]
+# (Hub repo id of the upload, the target's Hub id, draft length k) -> the model card's "Serving" text
+ServingFn = Callable[[str, str, int], str]
 
 
 @dataclass(frozen=True)
@@ -50,3 +53,4 @@ class FamilyExports:
     layouts: tuple[Layout, ...] = ()
     vllm: VllmServing | None = None
     not_served: str = ""  # why vLLM does not serve this family (when vllm is None)
+    serving: ServingFn | None = None  # how to serve an upload (scripts/publish.py); None: evaluate it here only

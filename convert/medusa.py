@@ -59,8 +59,14 @@ def import_medusa(config: dict, state: dict[str, torch.Tensor], target: TargetIO
     return cfg, native
 
 
+SERVING = """The root holds the Medusa repository layout (`medusa_lm_head.safetensors`), loaded by the Medusa
+repository's own code with this target. vLLM's Medusa model expects other names and config keys
+(`blocks.{h}.layers.{i}`, `lm_heads.{h}`, `num_heads`: the names in `draftheads/model.safetensors`);
+SGLang has no Medusa support."""
+
 EXPORTS = FamilyExports(
     family="medusa",
     layouts=(Layout("medusa", export_medusa, import_medusa),),
     not_served="exported in the Medusa repository's layout; vLLM's Medusa model expects other names and config",
+    serving=lambda repo_id, target_hub, k: SERVING,
 )

@@ -94,8 +94,13 @@ def import_mtp(config: dict, state: dict[str, torch.Tensor], target: TargetIO, w
     return cfg, native
 
 
+SERVING = """The root holds the DeepSeek-V3 MTP layout (`model.layers.{L+k}.*`, `num_nextn_predict_layers`)
+adapted to this target's own decoder layer. vLLM and SGLang serve MTP modules for DeepSeek-style
+architectures only; for this target use an MTP-capable loader with the target's decoder-layer class."""
+
 EXPORTS = FamilyExports(
     family="mtp",
     layouts=(Layout("mtp", export_mtp, import_mtp),),
     not_served="vLLM serves MTP modules only inside DeepSeek-style target checkpoints",
+    serving=lambda repo_id, target_hub, k: SERVING,
 )

@@ -33,6 +33,14 @@ def served_by_vllm(family: str) -> tuple[VllmServing | None, str]:
     return exports.vllm, exports.not_served
 
 
+def serving_note(family: str, repo_id: str, target_hub: str, k: int = 5) -> str:
+    """How to serve a published `family` head (the model card's Serving section)."""
+    exports = FAMILY_EXPORTS.get(family)
+    if exports is None or exports.serving is None:
+        return f"{family} heads have no engine layout here; evaluate them with this project (`draftheads/`)."
+    return exports.serving(repo_id, target_hub, k)
+
+
 def layouts_of(family: str) -> tuple[str, ...]:
     """The engine layouts `family` exports to, its main one first; () for a native-only family."""
     exports = FAMILY_EXPORTS.get(family)

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from convert import export_head, layouts_of, verifier_id
+from convert import export_head, layouts_of, serving_note, verifier_id
 from data.cli import UserError, cli_main, is_user_error, one_line
 from data.config import TargetConfig
 from data.target import load_target
@@ -109,34 +109,9 @@ def best_k(js: Path | None, default: int = 5) -> int:
 
 
 def serving_section(family: str, repo_id: str, target_hub: str, k: int = 5) -> str:
-    """How to serve the published folder with vLLM and SGLang (or why an engine cannot)."""
-    name = repo_id.split("/")[-1]
-    if family == "eagle3":
-        return f"""vLLM (the repository root is the speculators layout; layer ids in vLLM's convention):
-
-```bash
-vllm serve {target_hub} \\
-  --speculative-config '{{"method": "eagle3", "model": "{repo_id}", "num_speculative_tokens": {k}}}'
-```
-
-SGLang (the `sglang/` folder; layer ids in SGLang's convention, one less than vLLM's):
-
-```bash
-huggingface-cli download {repo_id} --include "sglang/*" --local-dir {name}
-python -m sglang.launch_server --model-path {target_hub} --speculative-algorithm EAGLE3 \\
-  --speculative-draft-model-path {name}/sglang --speculative-num-steps {k} \\
-  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}
-```"""
-    if family == "medusa":
-        return """The root holds the Medusa repository layout (`medusa_lm_head.safetensors`), loaded by the Medusa
-repository's own code with this target. vLLM's Medusa model expects other names and config keys
-(`blocks.{h}.layers.{i}`, `lm_heads.{h}`, `num_heads`: the names in `draftheads/model.safetensors`);
-SGLang has no Medusa support."""
-    if family == "mtp":
-        return """The root holds the DeepSeek-V3 MTP layout (`model.layers.{L+k}.*`, `num_nextn_predict_layers`)
-adapted to this target's own decoder layer. vLLM and SGLang serve MTP modules for DeepSeek-style
-architectures only; for this target use an MTP-capable loader with the target's decoder-layer class."""
-    return "EAGLE-1 heads have no engine layout here; evaluate them with this project (`draftheads/`)."
+    """How to serve the published folder with vLLM and SGLang (or why an engine cannot): the family's
+    declaration in convert/<family>.py writes it."""
+    return serving_note(family, repo_id, target_hub, k)
 
 
 def model_card(meta: dict, repo_id: str, table: str | None, files: list[str], license_id: str, k: int = 5) -> str:
