@@ -39,6 +39,11 @@ class Mutant:
 
 
 MUTANTS: list[Mutant] = [
+    # --- export (convert/): SGLang reads layer ids one layer later than vLLM and the native heads
+    Mutant("sglang_layer_ids_unshifted", "convert/eagle3.py",
+           "ids = [i - 1 for i in served_layer_ids(meta, target)]",
+           "ids = served_layer_ids(meta, target)",
+           ("tests/test_export.py", "-k", "layer_id_conventions")),
     # --- the rows of issue 14's table
     Mutant("ttt_labels_at_t_plus_s", "heads/eagle.py",
            "p_s, in_s, arg_s = shift_left(p, 1 + s), shift_left(in_vocab, 1 + s), shift_left(t_arg, 1 + s)",
