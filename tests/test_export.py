@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import convert.eagle3 as eagle3_converter
 from convert import (
     ExportError,
     eval_expr,
@@ -217,8 +218,6 @@ def test_missing_d2t_refused(fmt, exported, tiny_target, tmp_path):
 
 def test_exporter_refuses_head_without_d2t(heads_dir, tiny_target, tmp_path, monkeypatch):
     """A head whose state lacks d2t (an older head class, say) gets no export, not an identity-map one."""
-    import convert.eagle3 as eagle3_converter
-
     _, _, io = tiny_target
     real = eagle3_converter.head_state
     monkeypatch.setattr(eagle3_converter, "head_state", lambda head: {k: v for k, v in real(head).items() if k != "d2t"})
