@@ -268,7 +268,7 @@ class _Target:
 
 @dataclass
 class _Subject:
-    """What is evaluated: the drafter kind, the head (None for the n-gram alone) and the methods that run."""
+    """What is evaluated: the drafter kind, the head's config (None for the n-gram alone), the methods that run."""
 
     drafter: str  # one of DRAFTERS
     head_cfg: Any
