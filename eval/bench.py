@@ -15,6 +15,7 @@ of each, ...) so a small N still covers several MT-bench categories instead of N
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,8 +100,6 @@ def load_questions(spec: str, max_questions: int | None = None) -> list[Question
 
 @cli_main
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(description="Print the benchmark questions eval.run would ask.")
     parser.add_argument("bench", nargs="+", help="bundled names (mt_bench, humaneval, gsm8k) or question files")
     parser.add_argument("--max-questions", type=int, default=None)

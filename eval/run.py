@@ -47,31 +47,36 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 
 from data.cli import UserError, cli_main
-from data.config import EvalConfig, RunConfig, TargetConfig, save_config, to_dict
+from data.config import EvalConfig, RunConfig, TargetConfig, parse_args, save_config, to_dict
 from data.readers import read_records
+from data.regenerate import eos_ids
 from data.target import load_target
 from eval.batch import sweep
-from eval.bench import bench_name, load_questions
-from eval.costs import calibrate, choose_k, ideal_speedup, measure_verify_cost
+from eval.bench import Question, bench_name, load_questions
+from eval.costs import Calibration, VerifyCost, calibrate, choose_k, ideal_speedup, measure_verify_cost
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
 from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter
 from eval.policy import AdaptivePolicy, measured_prior
-from eval.report import write_report
+from eval.report import markdown, write_report
 from eval.speedup import speedup_model
+from eval.vllm_engine import ServeError, check_servable, served_sections  # imports vllm only when serving
 from heads.base import Drafter, family_module, load_head, read_head_config
 
 BASELINES = ("ngram", "hf_prompt_lookup")
 DRAFTERS = ("head", "ngram", "head+ngram")
 POLICIES = ("adaptive", "fixed")
 TAU_DEFINITION = "tokens per target forward pass, counting the corrected or bonus token (prefill excluded)"
+_Served = dict[tuple[str, str], list[tuple[list[int], int]]]  # (temperature, bench) -> [(prompt ids, seed)]
 
 
 class EvalError(UserError, ValueError):
@@ -111,6 +116,36 @@ def calibration_prompts(tok: Any, device: torch.device, n: int = 2) -> list[torc
     """The first user turn of the first n bundled training conversations, chat-templated."""
     records, _ = read_records(CALIBRATION_FILE, max_samples=n)
     return [_render(tok, [next(m for m in r.messages if m["role"] == "user")], device) for r in records]
+
+
+@dataclass
+class _Costs:
+    """What the cost stage measured and chose: the verify curve, both calibrations, the draft lengths."""
+
+    verify: VerifyCost
+    cal: Calibration  # the drafter under evaluation, at k = 8
+    cal_ng: Calibration  # the n-gram's (the same one when the n-gram is the drafter under evaluation)
+    best_k: int  # choose_k's draft length for the drafter (0: plain decoding predicted fastest)
+    best_speedup: float  # and the speedup it predicts
+    ngram_best_k: int  # choose_k's draft length for the n-gram, at least 1
+    k: int  # the draft length the eval runs: eval.num_draft_tokens, else max(best_k, 1)
+    k_ng: int  # the n-gram baseline's (k itself when the n-gram is the drafter under evaluation)
+
+    def section(self) -> dict[str, Any]:
+        """report.json's `costs`."""
+        cal, cal_ng = self.cal, self.cal_ng
+        return {
+            "verify_s": {str(n): v for n, v in self.verify.seconds.items()},
+            "verify_context_tokens": self.verify.context_len,
+            "draft_cost": {"fixed_s": cal.draft_cost.fixed_s, "per_token_s": cal.draft_cost.per_token_s},
+            "calibration": {"prompts": str(CALIBRATION_FILE.name), "acceptance_per_position": cal.acceptance,
+                            "draft_rate": cal.draft_rate, "chosen_k": self.best_k,
+                            "predicted_speedup": self.best_speedup},
+            "ngram_calibration": {"acceptance_per_position": cal_ng.acceptance, "draft_rate": cal_ng.draft_rate,
+                                  "draft_cost": {"fixed_s": cal_ng.draft_cost.fixed_s,
+                                                 "per_token_s": cal_ng.draft_cost.per_token_s},
+                                  "chosen_k": self.ngram_best_k},
+        }
 
 
 # ----------------------------------------------------------------------------------------------- metrics
@@ -210,14 +245,6 @@ def _hf_prompt_lookup(model: nn.Module, ids: torch.Tensor, k: int, max_new: int,
     return new, stats
 
 
-def _eos_ids(tok: Any, model: nn.Module) -> list[int]:
-    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    gen = getattr(model, "generation_config", None)
-    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
-    ids |= set(extra if isinstance(extra, (list, tuple)) else [extra] if extra is not None else [])
-    return sorted(i for i in ids if i is not None)
-
-
 def _turn_seed(seed: int, bench: str, qid: str, turn: int) -> int:
     """A per-turn seed stable across processes (Python's hash() of strings is salted per process)."""
     return zlib.crc32(f"{seed}/{bench}/{qid}/{turn}".encode())
@@ -226,6 +253,325 @@ def _turn_seed(seed: int, bench: str, qid: str, turn: int) -> int:
 def _render(tok: Any, messages: list[dict[str, str]], device: torch.device) -> torch.Tensor:
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     return torch.tensor([list(ids)], dtype=torch.long, device=device)
+
+
+@dataclass
+class _Target:
+    """The loaded target: model, tokenizer, TargetIO, device and the token ids that end an answer."""
+
+    model: nn.Module
+    tok: Any
+    io: Any
+    device: torch.device
+    eos: list[int]
+
+
+@dataclass
+class _Subject:
+    """What is evaluated: the drafter kind, the head's config (None for the n-gram alone), the methods that run."""
+
+    drafter: str  # one of DRAFTERS
+    head_cfg: Any
+    main: str  # the evaluated method's name: the head's family, "<family>+ngram" or "ngram"
+    methods: list[str]  # main first, then the head alone beside a hybrid, then the baselines
+    factory: Callable[[int], Callable[[], Drafter]]  # draft length -> a factory of fresh drafters
+
+    @property
+    def hybrid(self) -> bool:
+        return self.drafter == "head+ngram"
+
+
+@dataclass
+class _Turns:
+    """The per-turn loop: every question turn by turn at every temperature, all methods back to back per turn.
+
+    A later turn sees the target's own plain answer to the earlier ones; the first method rotates from turn
+    to turn so machine noise and warm caches hit plain and speculative decoding alike. With `served` (a dict,
+    --engine vllm) every turn's prompt ids and seed are collected per (temperature, benchmark) for vLLM.
+    """
+
+    target: _Target
+    subject: _Subject
+    costs: _Costs
+    cfg: EvalConfig
+    seed: int
+    served: _Served | None
+    turn_index: int = 0  # turns run so far, over every temperature: who goes first rotates with it
+    make_head: Callable[[], Drafter] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.make_head = self.subject.factory(self.costs.k)
+
+    def run(self, questions: dict[str, list[Question]]) -> list[tuple[str, _Tally]]:
+        """(temperature key, tally) per eval.temperature, in order."""
+        runs = []
+        n_turns = sum(len(q.turns) for qs in questions.values() for q in qs) * len(self.cfg.temperature)
+        bar = tqdm(total=n_turns, desc="eval turns", unit="turn", disable=None)
+        for temp in self.cfg.temperature:
+            tally = _Tally()
+            methods = [m for m in self.subject.methods if not (m == "hf_prompt_lookup" and temp > 0)]
+            for bench, qs in questions.items():
+                for q in qs:
+                    self.question(q, bench, temp, methods, tally, bar)
+            runs.append((f"{temp:g}", tally))
+        bar.close()
+        return runs
+
+    def question(self, q: Question, bench: str, temp: float, methods: list[str], tally: _Tally,
+                 bar: tqdm) -> None:
+        """All turns of one question; each turn's results go into the tally."""
+        tok, main = self.target.tok, self.subject.main
+        messages: list[dict[str, str]] = []
+        for t, turn in enumerate(q.turns):
+            messages.append({"role": "user", "content": turn})
+            ids = _render(tok, messages, self.target.device)
+            turn_seed = _turn_seed(self.seed, bench, q.id, t)
+            if self.served is not None:
+                self.served.setdefault((f"{temp:g}", bench), []).append((ids[0].tolist(), turn_seed))
+            order = ["plain"] + methods
+            r = self.turn_index % len(order)  # rotate who goes first: noise and warm caches hit all alike
+            results = {name: self.generate(name, ids, temp, turn_seed) for name in order[r:] + order[:r]}
+            plain_ids = results["plain"][0]
+            for name, (new, st) in results.items():
+                same = bool(torch.equal(new.cpu(), plain_ids.cpu())) if temp == 0 else None
+                tally.add(name, bench, q.category, st, same)
+            # The next turn sees the target's own plain answer (skip the end-of-turn token).
+            messages.append({"role": "assistant", "content": tok.decode(plain_ids.tolist(), skip_special_tokens=True)})
+            self.turn_index += 1
+            ms = results[main][1]
+            bar.set_postfix_str(f"{bench} T={temp:g} tau {ms.tau:.2f} {ms.tokens_per_s:.1f} tok/s "
+                                f"(plain {results['plain'][1].tokens_per_s:.1f})")
+            bar.update(1)
+
+    def generate(self, name: str, ids: torch.Tensor, temp: float,
+                 turn_seed: int) -> tuple[torch.Tensor, GenerationStats]:
+        """One method on one turn: (new ids, stats)."""
+        model, eos, costs, max_new = self.target.model, self.target.eos, self.costs, self.cfg.max_new_tokens
+        gen = torch.Generator(device="cpu").manual_seed(turn_seed)
+        common = dict(max_new_tokens=max_new, temperature=temp, eos_token_id=eos, generator=gen)
+        if name == "plain":
+            return plain_generate(model, ids, **common)
+        if name == "hf_prompt_lookup":
+            return _hf_prompt_lookup(model, ids, costs.k_ng, max_new, eos, self.target.tok.pad_token_id)
+        if name == "ngram":
+            return speculative_generate(model, ids, NgramDrafter(), costs.k_ng, policy=self.policy_for(name),
+                                        **common)
+        # Under a policy the head's commits wait while it does not draft (DeferredSync).
+        drafter = HybridDrafter(self.make_head()) if name == self.subject.main and self.subject.hybrid else \
+            DeferredSync(self.make_head()) if self.cfg.policy == "adaptive" else self.make_head()
+        return speculative_generate(model, ids, drafter, costs.k, policy=self.policy_for(name), **common)
+
+    def policy_for(self, name: str) -> AdaptivePolicy | None:
+        """A fresh per-request policy for a method (None: fixed k); the n-gram baseline keeps its fixed k."""
+        c, main = self.costs, self.subject.main
+        if self.cfg.policy != "adaptive" or name in BASELINES and name != main:
+            return None
+        if name.endswith("+ngram"):
+            return AdaptivePolicy(c.verify, {"head": c.cal.draft_cost, "ngram": c.cal_ng.draft_cost},
+                                  {"head": measured_prior(c.cal.stats), "ngram": measured_prior(c.cal_ng.stats)})
+        return AdaptivePolicy(c.verify, {"draft": c.cal.draft_cost}, {"draft": measured_prior(c.cal.stats)})
+
+
+# ----------------------------------------------------------------------------------------------- stages
+def _check_request(cfg_eval: EvalConfig, drafter: str, head_dir: str | Path | None,
+                   baselines: Sequence[str]) -> None:
+    """Refuse bad flags before anything is read or loaded."""
+    if drafter not in DRAFTERS:
+        raise EvalError(f"--drafter must be one of {', '.join(DRAFTERS)}, got '{drafter}'")
+    if drafter != "ngram" and head_dir is None:
+        raise EvalError(f"--drafter {drafter} needs --head PATH (or use --drafter ngram)")
+    if cfg_eval.policy not in POLICIES:
+        raise EvalError(f"eval.policy must be one of {', '.join(POLICIES)}, got '{cfg_eval.policy}'")
+    unknown = sorted(set(baselines) - set(BASELINES))
+    if unknown:
+        raise EvalError(f"unknown baseline '{unknown[0]}' (known: {', '.join(BASELINES)})")
+    if not cfg_eval.temperature:
+        raise EvalError("eval.temperature is empty")
+    if any(t < 0 for t in cfg_eval.temperature):
+        raise EvalError(f"eval.temperature must be >= 0, got {cfg_eval.temperature}")
+
+
+def _resolve_target(head_dir: str | Path | None,
+                    target_cfg: TargetConfig | None) -> tuple[dict[str, Any] | None, TargetConfig]:
+    """The head folder's record (None without a head) and the target (the head's own by default)."""
+    head_meta: dict[str, Any] | None = None
+    if head_dir is not None:
+        _, head_meta = read_head_config(head_dir)
+        if target_cfg is None:
+            target_cfg = TargetConfig(name_or_path=head_meta["target"]["name_or_path"])
+    if target_cfg is None:
+        raise EvalError("no target: give --head, --target or --config")
+    return head_meta, target_cfg
+
+
+def _check_engine(engine: str, head_meta: dict[str, Any] | None, drafter: str, tree: str) -> None:
+    """Refuse, before any model is loaded, what the engine cannot serve."""
+    if engine not in ("builtin", "vllm"):
+        raise EvalError(f"--engine must be builtin or vllm, got '{engine}'")
+    if engine == "vllm":
+        try:
+            check_servable(head_meta["family"] if head_meta else None, drafter, tree)
+        except ServeError as e:
+            raise EvalError(str(e)) from None
+
+
+def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, head_dir: str | Path | None,
+          drafter: str, baselines: Sequence[str], tree: str) -> tuple[_Target, _Subject]:
+    """The target (or the one already in memory) and the head on its device; the methods to run."""
+    model, tok, io = loaded if loaded is not None else load_target(target_cfg)
+    device = next(model.parameters()).device
+    head = head_cfg = None
+    if head_dir is not None:
+        head, head_cfg, _ = load_head(head_dir, io)  # refuses another target's head, naming why
+        head.to(device=device, dtype=next(model.parameters()).dtype)  # the drafter reads the target's features
+    hybrid = drafter == "head+ngram"
+    name = head_cfg.family if head_cfg is not None else "head"
+    main = "ngram" if drafter == "ngram" else f"{name}+ngram" if hybrid else name
+    methods = [main] + ([name] if hybrid else []) + [b for b in baselines if b != main]
+
+    def factory(k: int) -> Callable[[], Drafter]:
+        return NgramDrafter if drafter == "ngram" else _head_drafter_factory(head, head_cfg, io, tree, k)
+
+    target = _Target(model, tok, io, device, eos_ids(model, tok))
+    return target, _Subject(drafter, head_cfg, main, methods, factory)
+
+
+def _calibrate_drafter(target: _Target, subject: _Subject, prompts: list[torch.Tensor],
+                       verify: VerifyCost) -> tuple[Calibration, int, float]:
+    """The evaluated drafter's calibration at k = 8, and the draft length (0 = plain) and speedup it predicts."""
+    cal = calibrate(target.model, subject.factory(8)(), prompts, k=8, max_new_tokens=32, eos_token_id=target.eos)
+    best_k, best_speedup = choose_k(cal.acceptance, verify, cal.draft_cost, k_max=8, draft_rate=cal.draft_rate)
+    if best_k > 0 and max(cal.stats.nodes_per_pass, default=0) > 8:
+        # A tree verifies more nodes than its depth, which choose_k (a chain model) does not price: re-run the
+        # calibration at the chosen depth and price its real node counts; plain decoding wins if it is faster.
+        check = calibrate(target.model, subject.factory(best_k)(), prompts, k=best_k, max_new_tokens=32,
+                          eos_token_id=target.eos)
+        best_speedup = ideal_speedup(check.stats, verify, check.draft_cost)
+        if best_speedup < 1.0:
+            best_k, best_speedup = 0, 1.0
+    return cal, best_k, best_speedup
+
+
+def _measure_costs(target: _Target, subject: _Subject, cfg_eval: EvalConfig,
+                   questions: dict[str, list[Question]]) -> _Costs:
+    """The verify curve T(n), the off-benchmark calibrations, and the draft lengths they choose."""
+    first = next(iter(questions.values()))[0]
+    context = int(_render(target.tok, [{"role": "user", "content": first.turns[0]}], target.device).shape[1])
+    verify = measure_verify_cost(target.model, context_len=context, ks=VERIFY_SIZES, repeats=3)
+    k = cfg_eval.num_draft_tokens
+    if k is not None and k < 1:
+        raise EvalError(f"eval.num_draft_tokens must be >= 1, got {k}")
+    # Calibration: acceptance per depth at k = 8 and the draft cost line (fixed + per token), off-benchmark;
+    # for a hybrid the head's (here) and the n-gram's (below) separately: the policy's prior per proposer.
+    prompts = calibration_prompts(target.tok, target.device)
+    cal, best_k, best_speedup = _calibrate_drafter(target, subject, prompts, verify)
+    cal_ng = cal if subject.drafter == "ngram" else calibrate(target.model, NgramDrafter(), prompts, k=8,
+                                                              max_new_tokens=32, eos_token_id=target.eos)
+    k_ng = max(choose_k(cal_ng.acceptance, verify, cal_ng.draft_cost, k_max=8, draft_rate=cal_ng.draft_rate)[0], 1)
+    # choose_k returns 0 when plain decoding is predicted fastest; the eval still measures k = 1 then.
+    k = max(best_k, 1) if k is None else k
+    return _Costs(verify, cal, cal_ng, best_k, best_speedup, ngram_best_k=k_ng, k=k,
+                  k_ng=k if subject.drafter == "ngram" else k_ng)
+
+
+def _plan_line(target_cfg: TargetConfig, subject: _Subject, costs: _Costs, cfg_eval: EvalConfig,
+               questions: dict[str, list[Question]]) -> str:
+    """The log line that says what runs, before the turns start."""
+    return (f"eval: target {target_cfg.name_or_path}, drafter {subject.main}, k {costs.k} "
+            f"({'config' if cfg_eval.num_draft_tokens else 'chosen from measured costs and calibration'}), "
+            f"policy {cfg_eval.policy}, n-gram baseline k {costs.k_ng}, methods "
+            f"{', '.join(['plain'] + subject.methods)}, benchmarks {', '.join(questions)}")
+
+
+def _benchmarks(runs: list[tuple[str, _Tally]], methods: list[str], questions: dict[str, list[Question]],
+                temperatures: list[float]) -> dict[str, Any]:
+    """report.json's `benchmarks`: the first temperature's tables on top, every temperature's below."""
+    by_temp = {t: {b: tally.table(methods, b) for b in questions} for t, tally in runs}
+    t0 = f"{temperatures[0]:g}"
+    return {b: {**by_temp[t0][b], "temperature": temperatures[0],
+                "by_temperature": {t: by_temp[t][b] for t in by_temp}} for b in questions}
+
+
+def _add_served(benchmarks: dict[str, Any], head_dir: str | Path | None, target: _Target, target_cfg: TargetConfig,
+                served: _Served, runs: list[tuple[str, _Tally]],
+                main: str, k: int, max_new_tokens: int, seed: int, log: Callable[[str], None]) -> None:
+    """--engine vllm: serve the exported head in vLLM on the same turns: benchmarks.<name>.vllm."""
+    tallies = dict(runs)
+    try:
+        for b, section in served_sections(head_dir, target.io, target_cfg, served,
+                                          lambda t, b: tallies[t].merged(main, b), k, max_new_tokens,
+                                          target.eos, seed=seed, log=log).items():
+            benchmarks[b]["vllm"] = section
+    except ServeError as e:
+        raise EvalError(str(e)) from None
+
+
+def _speedup_section(tally: _Tally, main: str, costs: _Costs) -> dict[str, Any]:
+    """report.json's `speedup_model` over every benchmark of the first temperature, predicted against measured."""
+    all_main = tally.merged(main)
+    all_plain = tally.merged("plain")
+    assert all_main is not None and all_plain is not None  # every turn ran both
+    k, verify, draft_cost = costs.k, costs.verify, costs.cal.draft_cost
+    nodes = sum(all_main.nodes_per_pass) / max(len(all_main.nodes_per_pass), 1)
+    is_chain = max(all_main.nodes_per_pass, default=0) <= k
+    measured = {"k": k, "tau": all_main.tau, "speedup": _decode_rate(all_main) / _decode_rate(all_plain),
+                "end_to_end_speedup": all_main.tokens_per_s / all_plain.tokens_per_s,
+                # tau priced by the measured costs with zero loop overhead (eval.costs.ideal_speedup)
+                "ideal_speedup": ideal_speedup(all_main, verify, draft_cost)}
+    section = speedup_model(all_main.acceptance_rates, all_main.draft_rate, verify, draft_cost,
+                            ks=sorted(set(range(1, 9)) | {k}), measured=measured,
+                            tree_nodes=None if is_chain else round(nodes))
+    # T(n) comes from a probe before the run; these are the same costs as the run itself saw them.
+    section["in_run_verify_s"] = {
+        "plain_pass": all_plain.verify_time_s / max(all_plain.target_passes, 1),
+        "speculative_pass": all_main.verify_time_s / max(all_main.target_passes, 1),
+        "mean_tokens_per_speculative_pass": 1 + nodes,
+    }
+    return section
+
+
+def _batch_sweep(target: _Target, questions: dict[str, list[Question]], batch_sizes: list[int], k: int,
+                 sweep_new_tokens: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """report.json's `batch_sweep` (eval/batch.py) on every question's first turn, n-gram drafter per row."""
+    tok = target.tok
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q.turns[0]}], tokenize=True,
+                                       add_generation_prompt=True, return_dict=False)
+               for qs in questions.values() for q in qs]
+    log(f"batch sweep: batch sizes {batch_sizes}, n-gram drafter per row, k {k}, {sweep_new_tokens} new tokens per row")
+    return sweep(target.model, prompts, tok.pad_token_id if tok.pad_token_id is not None else target.eos[0],
+                 batch_sizes, k, NgramDrafter, max_new_tokens=sweep_new_tokens,
+                 drafter_name="ngram (prompt lookup per row)", progress=log)
+
+
+def _report(target_cfg: TargetConfig, head_dir: str | Path | None, subject: _Subject, costs: _Costs,
+            cfg_eval: EvalConfig, device: torch.device, *, benchmarks: dict[str, Any], speedup: dict[str, Any],
+            batch: dict[str, Any]) -> dict[str, Any]:
+    """report.json: what ran and the definitions, then the measured sections, the machine and the config."""
+    return {
+        "target": target_cfg.name_or_path,
+        "head": None if head_dir is None else str(head_dir),
+        "family": None if subject.head_cfg is None else subject.head_cfg.family,
+        "drafter": subject.main,
+        "k": costs.k,
+        "k_source": "eval.num_draft_tokens" if cfg_eval.num_draft_tokens is not None
+        else "eval.costs.choose_k: calibration acceptance and draft cost, measured verify curve",
+        "tree": cfg_eval.tree,
+        "policy": cfg_eval.policy,
+        "ngram_k": costs.k_ng,
+        "tau_definition": TAU_DEFINITION,
+        "speedup_definition": "speculative tokens/s over plain tokens/s of the same target on the same turns in "
+                              "the same run (interleaved); end to end per turn, decode_speedup without prefill",
+        "temperatures": list(cfg_eval.temperature),
+        "max_new_tokens": cfg_eval.max_new_tokens,
+        "methods": ["plain"] + subject.methods,
+        "benchmarks": benchmarks,
+        "speedup_model": speedup,
+        "costs": costs.section(),
+        "batch_sweep": batch,
+        "machine": {"device": str(device), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "torch": torch.__version__},
+        "eval_config": to_dict(cfg_eval),
+    }
 
 
 def evaluate(
@@ -250,231 +596,30 @@ def evaluate(
     instead of loading (the head is still checked against it). engine "vllm": also serve the head in vLLM
     (eval/vllm_engine.py). Raises HeadMismatchError for a head made
     for another target, EvalError / DataError / TargetLoadError for bad input.
+
+    The stages, in order (each a function above):
+    check the request, resolve the target, read the questions, check the engine, load target and head,
+    measure costs and choose k, run every turn with every method, tabulate the benchmarks, serve in vLLM
+    (--engine vllm), fit the speedup model, sweep batch sizes, assemble and write the report.
     """
-    out = Path(out_dir)
-    if drafter not in DRAFTERS:
-        raise EvalError(f"--drafter must be one of {', '.join(DRAFTERS)}, got '{drafter}'")
-    if drafter != "ngram" and head_dir is None:
-        raise EvalError(f"--drafter {drafter} needs --head PATH (or use --drafter ngram)")
-    if cfg_eval.policy not in POLICIES:
-        raise EvalError(f"eval.policy must be one of {', '.join(POLICIES)}, got '{cfg_eval.policy}'")
-    unknown = sorted(set(baselines) - set(BASELINES))
-    if unknown:
-        raise EvalError(f"unknown baseline '{unknown[0]}' (known: {', '.join(BASELINES)})")
-    if not cfg_eval.temperature:
-        raise EvalError("eval.temperature is empty")
-    if any(t < 0 for t in cfg_eval.temperature):
-        raise EvalError(f"eval.temperature must be >= 0, got {cfg_eval.temperature}")
-    head_meta: dict[str, Any] | None = None
-    if head_dir is not None:
-        _, head_meta = read_head_config(head_dir)
-        if target_cfg is None:
-            target_cfg = TargetConfig(name_or_path=head_meta["target"]["name_or_path"])
-    if target_cfg is None:
-        raise EvalError("no target: give --head, --target or --config")
+    _check_request(cfg_eval, drafter, head_dir, baselines)
+    head_meta, target_cfg = _resolve_target(head_dir, target_cfg)
     questions = {bench_name(b): load_questions(b, cfg_eval.max_questions) for b in cfg_eval.bench}
-    if engine not in ("builtin", "vllm"):
-        raise EvalError(f"--engine must be builtin or vllm, got '{engine}'")
-    served: dict[tuple[str, str], list[tuple[list[int], int]]] = {}  # (temperature, bench) -> (prompt ids, seed)
-    if engine == "vllm":
-        from eval.vllm_engine import ServeError, check_servable
-
-        try:
-            check_servable(head_meta["family"] if head_meta else None, drafter, cfg_eval.tree)
-        except ServeError as e:
-            raise EvalError(str(e)) from None
-
-    model, tok, io = loaded if loaded is not None else load_target(target_cfg)
-    device = next(model.parameters()).device
-    head = head_cfg = None
-    if head_dir is not None:
-        head, head_cfg, head_meta = load_head(head_dir, io)  # refuses another target's head, naming why
-        head.to(device=device, dtype=next(model.parameters()).dtype)  # the drafter reads the target's features
-    hybrid = drafter == "head+ngram"
-    family = head_cfg.family if head_cfg is not None else "head"
-    main = "ngram" if drafter == "ngram" else f"{family}+ngram" if hybrid else family
-    methods = [main] + ([family] if hybrid else []) + [b for b in baselines if b != main]
-
-    eos = _eos_ids(tok, model)
-    first = next(iter(questions.values()))[0]
-    context = int(_render(tok, [{"role": "user", "content": first.turns[0]}], device).shape[1])
-    verify = measure_verify_cost(model, context_len=context, ks=VERIFY_SIZES, repeats=3)
-    k = cfg_eval.num_draft_tokens
-    if k is not None and k < 1:
-        raise EvalError(f"eval.num_draft_tokens must be >= 1, got {k}")
-
-    def factory(kk: int) -> Callable[[], Drafter]:
-        return NgramDrafter if drafter == "ngram" else _head_drafter_factory(head, head_cfg, io, cfg_eval.tree, kk)
-
-    # Calibration: acceptance per depth at k = 8 and the draft cost line (fixed + per token), off-benchmark;
-    # for a hybrid the head's (here) and the n-gram's (below) separately: the policy's prior per proposer.
-    cal_prompts = calibration_prompts(tok, device)
-    cal = calibrate(model, factory(8)(), cal_prompts, k=8, max_new_tokens=32, eos_token_id=eos)
-    best_k, best_speedup = choose_k(cal.acceptance, verify, cal.draft_cost, k_max=8, draft_rate=cal.draft_rate)
-    if best_k > 0 and max(cal.stats.nodes_per_pass, default=0) > 8:
-        # A tree verifies more nodes than its depth, which choose_k (a chain model) does not price: re-run the
-        # calibration at the chosen depth and price its real node counts; plain decoding wins if it is faster.
-        check = calibrate(model, factory(best_k)(), cal_prompts, k=best_k, max_new_tokens=32, eos_token_id=eos)
-        best_speedup = ideal_speedup(check.stats, verify, check.draft_cost)
-        if best_speedup < 1.0:
-            best_k, best_speedup = 0, 1.0
-    cal_ng = cal if drafter == "ngram" else calibrate(model, NgramDrafter(), cal_prompts, k=8, max_new_tokens=32,
-                                                      eos_token_id=eos)
-    k_ng = max(choose_k(cal_ng.acceptance, verify, cal_ng.draft_cost, k_max=8, draft_rate=cal_ng.draft_rate)[0], 1)
-    costs: dict[str, Any] = {
-        "verify_s": {str(n): v for n, v in verify.seconds.items()},
-        "verify_context_tokens": verify.context_len,
-        "draft_cost": {"fixed_s": cal.draft_cost.fixed_s, "per_token_s": cal.draft_cost.per_token_s},
-        "calibration": {"prompts": str(CALIBRATION_FILE.name), "acceptance_per_position": cal.acceptance,
-                        "draft_rate": cal.draft_rate, "chosen_k": best_k, "predicted_speedup": best_speedup},
-        "ngram_calibration": {"acceptance_per_position": cal_ng.acceptance, "draft_rate": cal_ng.draft_rate,
-                              "draft_cost": {"fixed_s": cal_ng.draft_cost.fixed_s,
-                                             "per_token_s": cal_ng.draft_cost.per_token_s},
-                              "chosen_k": k_ng},
-    }
-    if k is None:
-        # choose_k returns 0 when plain decoding is predicted fastest; the eval still measures k = 1 then.
-        k = max(best_k, 1)
-    make_head = factory(k)
-    if drafter == "ngram":
-        k_ng = k
-
-    def policy_for(name: str) -> AdaptivePolicy | None:
-        """A fresh per-request policy for a method (None: fixed k); the n-gram baseline keeps its fixed k."""
-        if cfg_eval.policy != "adaptive" or name in BASELINES and name != main:
-            return None
-        if name.endswith("+ngram"):
-            return AdaptivePolicy(verify, {"head": cal.draft_cost, "ngram": cal_ng.draft_cost},
-                                  {"head": measured_prior(cal.stats), "ngram": measured_prior(cal_ng.stats)})
-        return AdaptivePolicy(verify, {"draft": cal.draft_cost}, {"draft": measured_prior(cal.stats)})
-
-    log(f"eval: target {target_cfg.name_or_path}, drafter {main}, k {k} "
-        f"({'config' if cfg_eval.num_draft_tokens else 'chosen from measured costs and calibration'}), "
-        f"policy {cfg_eval.policy}, n-gram baseline k {k_ng}, methods {', '.join(['plain'] + methods)}, "
-        f"benchmarks {', '.join(questions)}")
-
-    by_temp: dict[str, dict[str, Any]] = {}
-    tallies: dict[str, _Tally] = {}
-    first_tally: _Tally | None = None
-    n_turns = sum(len(q.turns) for qs in questions.values() for q in qs) * len(cfg_eval.temperature)
-    bar = tqdm(total=n_turns, desc="eval turns", unit="turn", disable=None)
-    turn_index = 0
-    for temp in cfg_eval.temperature:
-        tally = _Tally()
-        run_methods = [m for m in methods if not (m == "hf_prompt_lookup" and temp > 0)]
-        for bench, qs in questions.items():
-            for q in qs:
-                messages: list[dict[str, str]] = []
-                for t, turn in enumerate(q.turns):
-                    messages.append({"role": "user", "content": turn})
-                    ids = _render(tok, messages, device)
-                    if engine == "vllm":
-                        served.setdefault((f"{temp:g}", bench), []).append(
-                            (ids[0].tolist(), _turn_seed(seed, bench, q.id, t)))
-                    results: dict[str, tuple[torch.Tensor, GenerationStats]] = {}
-                    order = ["plain"] + run_methods
-                    r = turn_index % len(order)  # rotate who goes first: noise and warm caches hit all alike
-                    for name in order[r:] + order[:r]:
-                        gen = torch.Generator(device="cpu").manual_seed(_turn_seed(seed, bench, q.id, t))
-                        common = dict(max_new_tokens=cfg_eval.max_new_tokens, temperature=temp, eos_token_id=eos,
-                                      generator=gen)
-                        if name == "plain":
-                            results[name] = plain_generate(model, ids, **common)
-                        elif name == "hf_prompt_lookup":
-                            results[name] = _hf_prompt_lookup(model, ids, k_ng, cfg_eval.max_new_tokens, eos,
-                                                              tok.pad_token_id)
-                        elif name == "ngram":
-                            results[name] = speculative_generate(model, ids, NgramDrafter(), k_ng,
-                                                                 policy=policy_for(name), **common)
-                        else:
-                            # Under a policy the head's commits wait while it does not draft (DeferredSync).
-                            d = HybridDrafter(make_head()) if name == main and hybrid else \
-                                DeferredSync(make_head()) if cfg_eval.policy == "adaptive" else make_head()
-                            results[name] = speculative_generate(model, ids, d, k, policy=policy_for(name), **common)
-                    plain_ids = results["plain"][0]
-                    for name, (new, st) in results.items():
-                        same = bool(torch.equal(new.cpu(), plain_ids.cpu())) if temp == 0 else None
-                        tally.add(name, bench, q.category, st, same)
-                    # The next turn sees the target's own plain answer (skip the end-of-turn token).
-                    messages.append({"role": "assistant",
-                                     "content": tok.decode(plain_ids.tolist(), skip_special_tokens=True)})
-                    turn_index += 1
-                    ms = results[main][1]
-                    bar.set_postfix_str(f"{bench} T={temp:g} tau {ms.tau:.2f} {ms.tokens_per_s:.1f} tok/s "
-                                        f"(plain {results['plain'][1].tokens_per_s:.1f})")
-                    bar.update(1)
-        by_temp[f"{temp:g}"] = {b: tally.table(methods, b) for b in questions}
-        tallies[f"{temp:g}"] = tally
-        first_tally = first_tally or tally
-    bar.close()
-
-    t0 = f"{cfg_eval.temperature[0]:g}"
-    benchmarks = {b: {**by_temp[t0][b], "temperature": cfg_eval.temperature[0],
-                      "by_temperature": {t: by_temp[t][b] for t in by_temp}} for b in questions}
-    if engine == "vllm":
-        from eval.vllm_engine import ServeError, served_sections
-
-        try:
-            for b, section in served_sections(head_dir, io, target_cfg, served,
-                                              lambda t, b: tallies[t].merged(main, b), k, cfg_eval.max_new_tokens,
-                                              eos, seed=seed, log=log).items():
-                benchmarks[b]["vllm"] = section
-        except ServeError as e:
-            raise EvalError(str(e)) from None
-    # The speedup model uses every benchmark of the first temperature together.
-    assert first_tally is not None
-    all_main = first_tally.merged(main)
-    all_plain = first_tally.merged("plain")
-    nodes = sum(all_main.nodes_per_pass) / max(len(all_main.nodes_per_pass), 1)
-    is_chain = max(all_main.nodes_per_pass, default=0) <= k
-    measured = {"k": k, "tau": all_main.tau, "speedup": _decode_rate(all_main) / _decode_rate(all_plain),
-                "end_to_end_speedup": all_main.tokens_per_s / all_plain.tokens_per_s,
-                # tau priced by the measured costs with zero loop overhead (eval.costs.ideal_speedup)
-                "ideal_speedup": ideal_speedup(all_main, verify, cal.draft_cost)}
-    model_section = speedup_model(all_main.acceptance_rates, all_main.draft_rate, verify, cal.draft_cost,
-                                  ks=sorted(set(range(1, 9)) | {k}), measured=measured,
-                                  tree_nodes=None if is_chain else round(nodes))
-    # T(n) comes from a probe before the run; these are the same costs as the run itself saw them.
-    model_section["in_run_verify_s"] = {
-        "plain_pass": all_plain.verify_time_s / max(all_plain.target_passes, 1),
-        "speculative_pass": all_main.verify_time_s / max(all_main.target_passes, 1),
-        "mean_tokens_per_speculative_pass": 1 + nodes,
-    }
-
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q.turns[0]}], tokenize=True,
-                                       add_generation_prompt=True, return_dict=False)
-               for qs in questions.values() for q in qs]
-    log(f"batch sweep: batch sizes {cfg_eval.batch_sizes}, n-gram drafter per row, k {k}, {sweep_new_tokens} new tokens per row")
-    batch_section = sweep(model, prompts, tok.pad_token_id if tok.pad_token_id is not None else eos[0],
-                          cfg_eval.batch_sizes, k, NgramDrafter, max_new_tokens=sweep_new_tokens,
-                          drafter_name="ngram (prompt lookup per row)", progress=log)
-
-    report = {
-        "target": target_cfg.name_or_path,
-        "head": None if head_dir is None else str(head_dir),
-        "family": None if head_cfg is None else head_cfg.family,
-        "drafter": main,
-        "k": k,
-        "k_source": "eval.num_draft_tokens" if cfg_eval.num_draft_tokens is not None
-        else "eval.costs.choose_k: calibration acceptance and draft cost, measured verify curve",
-        "tree": cfg_eval.tree,
-        "policy": cfg_eval.policy,
-        "ngram_k": k_ng,
-        "tau_definition": TAU_DEFINITION,
-        "speedup_definition": "speculative tokens/s over plain tokens/s of the same target on the same turns in "
-                              "the same run (interleaved); end to end per turn, decode_speedup without prefill",
-        "temperatures": list(cfg_eval.temperature),
-        "max_new_tokens": cfg_eval.max_new_tokens,
-        "methods": ["plain"] + methods,
-        "benchmarks": benchmarks,
-        "speedup_model": model_section,
-        "costs": costs,
-        "batch_sweep": batch_section,
-        "machine": {"device": str(device), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
-                    "torch": torch.__version__},
-        "eval_config": to_dict(cfg_eval),
-    }
-    write_report(report, out)
+    _check_engine(engine, head_meta, drafter, cfg_eval.tree)
+    target, subject = _load(target_cfg, loaded, head_dir, drafter, baselines, cfg_eval.tree)
+    costs = _measure_costs(target, subject, cfg_eval, questions)
+    log(_plan_line(target_cfg, subject, costs, cfg_eval, questions))
+    served: _Served | None = {} if engine == "vllm" else None
+    runs = _Turns(target, subject, costs, cfg_eval, seed, served).run(questions)
+    benchmarks = _benchmarks(runs, subject.methods, questions, cfg_eval.temperature)
+    if served is not None:
+        _add_served(benchmarks, head_dir, target, target_cfg, served, runs, subject.main, costs.k,
+                    cfg_eval.max_new_tokens, seed, log)
+    speedup = _speedup_section(runs[0][1], subject.main, costs)
+    batch = _batch_sweep(target, questions, cfg_eval.batch_sizes, costs.k, sweep_new_tokens, log)
+    report = _report(target_cfg, head_dir, subject, costs, cfg_eval, target.device, benchmarks=benchmarks,
+                     speedup=speedup, batch=batch)
+    write_report(report, out_dir)
     return report
 
 
@@ -517,8 +662,6 @@ def _flags(p: argparse.ArgumentParser) -> None:
 
 @cli_main
 def main(argv: list[str] | None = None) -> None:
-    from data.config import parse_args
-
     argv = sys.argv[1:] if argv is None else argv
     cfg, args = parse_args("Evaluate a drafter: tau, acceptance, speedup, batch sweep, reports.", argv, _flags)
     ev: EvalConfig = cfg.eval
@@ -544,15 +687,11 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads if args.threads is not None else (0 if torch.cuda.is_available() else 1)
     if threads > 0:
         torch.set_num_threads(threads)
-    from transformers.utils import logging as hf_logging
-
     hf_logging.set_verbosity_error()  # generate()'s notes on generation flags are noise here
     save_config(cfg, out)
     report = evaluate(args.head, ev, out, target_cfg, drafter=drafter,
                       baselines=[b.strip() for b in args.baselines.split(",") if b.strip()],
                       sweep_new_tokens=args.sweep_new_tokens, seed=cfg.seed, engine=args.engine)
-    from eval.report import markdown
-
     print(markdown(report))
     print(f"wrote {out / 'report.json'}, {out / 'report.md'} and plots")
 
