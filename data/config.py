@@ -412,7 +412,8 @@ def _describe(err: Any, cls: type, tree: dict) -> str:
 
 def _value_at(tree: Any, loc: Loc) -> Any:
     for part in loc:
-        ok = isinstance(tree, dict) and part in tree or isinstance(tree, list) and int(part) < len(tree)
+        ok = isinstance(tree, dict) and part in tree or isinstance(tree, list) and isinstance(part, int) \
+            and part < len(tree)
         tree = tree[part] if ok else {}
     return tree
 
