@@ -5,10 +5,12 @@ accepts the same flags:
 
     python train/eagle.py --config configs/tiny-eagle.yaml --optim.lr=3e-4 --head.ttt_length=3 --out runs/x
 
-An unknown key, a value of the wrong type, a value out of range (ENUMS, RANGES: `optim.lr` > 0,
-`optim.warmup_steps` >= 0, 0 <= `optim.min_lr_ratio` <= 1, ...) or an empty file raises `ConfigError` naming
-the key and the file (or the command-line flag) it came from, when the config is loaded and before any
-model loads; entry scripts turn that into one line on stderr and exit code 2 (data.cli.cli_main).
+The sections are plain dataclasses (building one in code checks nothing, as before); `load_config` validates
+the YAML tree against them with pydantic: unknown keys (`extra="forbid"`), strict types (no "5" for an int,
+no 1 for a bool), enums (`Literal[...]`) and ranges (`Field(gt=0)`, ... in the annotations: `optim.lr` > 0,
+`optim.warmup_steps` >= 0, 0 <= `optim.min_lr_ratio` <= 1, ...). A failure raises `ConfigError`, one line
+naming the file and YAML line (or the command line) and the dotted key, when the config is loaded and before
+any model loads; entry scripts turn that into one line on stderr and exit code 2 (data.cli.cli_main).
 `check_layer_ids` checks the head's layer ids against the target's config (read without its weights).
 The resolved config is written as `config.yaml` into the run's output folder (`save_config`).
 
@@ -20,18 +22,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
+import difflib
+import functools
+import re
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
+import pydantic
+import pydantic.dataclasses
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, PlainValidator, Strict
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from data.cli import UserError, one_line, write_atomic
-from heads.base import HeadConfig
+from heads.base import HeadConfig, family_module
 
 T = TypeVar("T")
 
@@ -40,73 +47,121 @@ class ConfigError(UserError, ValueError):
     """A config key or value is wrong; the message names the key and where it came from."""
 
 
+# ----------------------------------------------------------------------------------------------- field types
+# Leaves are strict (a YAML "5" is not an int, 1 is not a bool; an int is a fine float); out-of-range numbers
+# and NaN/inf are refused where a range is given. Sections stay lax so a YAML mapping builds the dataclass.
+_SECTION = ConfigDict(extra="forbid")
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+Count = Annotated[Int, Field(ge=1)]  # a number of things: >= 1
+NonNegative = Annotated[Float, Field(ge=0, allow_inf_nan=False)]
+Positive = Annotated[Float, Field(gt=0, allow_inf_nan=False)]
+Fraction = Annotated[Float, Field(ge=0, le=1, allow_inf_nan=False)]
+Beta = Annotated[Float, Field(ge=0, le=0.999999, allow_inf_nan=False)]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+def _list_as_tuple(value: Any) -> Any:
+    """YAML has no tuples: a list of the right length is one."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _validate_head(value: Any) -> HeadConfig:
+    """The head section: `family` picks the family's dataclass (heads/), then its keys are checked strictly."""
+    if isinstance(value, HeadConfig):
+        return value
+    if not isinstance(value, dict):
+        raise PydanticCustomError("mapping_type", "expected a mapping")
+    try:
+        cls = HeadConfig.resolve_class(value)
+    except (KeyError, ValueError) as e:
+        error = PydanticCustomError("head_family", "{reason}", {"reason": str(e).strip("'\"")})
+        raise pydantic.ValidationError.from_exception_data(
+            "head", [InitErrorDetails(type=error, loc=("family",), input=value.get("family"))]) from None
+    # Keys as strings, so a YAML key like `1:` is reported as an unknown key (not a TypeError from **value).
+    checked = _strict_head_class(cls)(**{str(k): v for k, v in value.items()})  # ValidationError: in the section
+    return cls(**{f.name: getattr(checked, f.name) for f in dataclasses.fields(cls)})
+
+
+@functools.cache
+def _strict_head_class(cls: type) -> type:
+    """A pydantic copy of a family's head dataclass (heads/ keeps plain dataclasses; the original is unchanged)."""
+    return pydantic.dataclasses.dataclass(cls, config=ConfigDict(extra="forbid", strict=True))
+
+
 # ----------------------------------------------------------------------------------------------- schema
 @dataclass
 class TargetConfig:
     """The frozen target model."""
 
-    name_or_path: str = "smollm2-135m"  # hub id, local folder, .gguf file, or a named default (see data.target)
-    revision: str | None = None  # hub revision (branch, tag or commit)
-    gguf_file: str | None = None  # GGUF file name inside name_or_path (hub id or folder)
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
+    __pydantic_config__ = _SECTION
+    name_or_path: Str = "smollm2-135m"  # hub id, local folder, .gguf file, or a named default (see data.target)
+    revision: Str | None = None  # hub revision (branch, tag or commit)
+    gguf_file: Str | None = None  # GGUF file name inside name_or_path (hub id or folder)
+    dtype: Dtype = "float32"
+    device: Str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
     # "auto" (or balanced, sequential): split the target's layers over every GPU this process sees, to
     # extract features of a target bigger than one GPU (one process per node; data.extract refuses more).
     # `device` is then unused. Training refuses it (ZeRO-3 / FSDP shard the target there).
-    device_map: str | None = None
-    trust_remote_code: bool = False  # never set unless you trust the repository's code
+    device_map: Str | None = None
+    trust_remote_code: Bool = False  # never set unless you trust the repository's code
 
 
 @dataclass
 class DataConfig:
     """Conversations to train on and how to tokenize them."""
 
-    path: str = "data/bundled/tiny_conversations.jsonl"  # JSONL file, folder, or `datasets` name
-    format: str = "auto"  # auto | sharegpt | messages | mtbench | qa | prompts | hf
-    split: str = "train"  # split, for `datasets` names
-    max_samples: int | None = None  # keep the first N records
-    skip_malformed: bool = False  # skip (and count) malformed records instead of failing
-    max_length: int = 2048  # truncate tokenized conversations to this many tokens
-    holdout_fraction: float = 0.05  # share of conversations kept out of training for held-out metrics
-    chat_template: str | None = None  # Jinja template overriding the tokenizer's own
-    cache_dir: str | None = None  # where tokenized datasets are cached (default: next to the run)
+    __pydantic_config__ = _SECTION
+    path: Str = "data/bundled/tiny_conversations.jsonl"  # JSONL file, folder, or `datasets` name
+    format: Literal["auto", "sharegpt", "messages", "mtbench", "qa", "prompts", "hf"] = "auto"
+    split: Str = "train"  # split, for `datasets` names
+    max_samples: Count | None = None  # keep the first N records
+    skip_malformed: Bool = False  # skip (and count) malformed records instead of failing
+    max_length: Annotated[Int, Field(ge=2)] = 2048  # truncate tokenized conversations to this many tokens
+    holdout_fraction: Fraction = 0.05  # share of conversations kept out of training for held-out metrics
+    chat_template: Str | None = None  # Jinja template overriding the tokenizer's own
+    cache_dir: Str | None = None  # where tokenized datasets are cached (default: next to the run)
 
 
 @dataclass
 class RegenerateConfig:
     """Self-distillation: answer the prompts with the target itself (python -m data.regenerate)."""
 
-    prompts: str = "data/bundled/gsm8k_train.jsonl"  # prompt file (any format data.readers understands)
-    output: str = "regenerated.jsonl"  # ShareGPT JSONL written (relative paths go under --out)
-    num_prompts: int | None = 64  # first N prompts; null for all
-    batch_size: int = 8  # prompts generated together (left padded)
-    max_new_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    system_prompt: str | None = None
-    split: str = "train"  # split, for `datasets` names (e.g. train_sft for UltraChat)
-    skip_malformed: bool = False  # skip (and count) malformed prompt records instead of failing
+    __pydantic_config__ = _SECTION
+    prompts: Str = "data/bundled/gsm8k_train.jsonl"  # prompt file (any format data.readers understands)
+    output: Str = "regenerated.jsonl"  # ShareGPT JSONL written (relative paths go under --out)
+    num_prompts: Count | None = 64  # first N prompts; null for all
+    batch_size: Count = 8  # prompts generated together (left padded)
+    max_new_tokens: Count = 256
+    temperature: NonNegative = 0.0  # 0 = greedy
+    top_p: Annotated[Float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    system_prompt: Str | None = None
+    split: Str = "train"  # split, for `datasets` names (e.g. train_sft for UltraChat)
+    skip_malformed: Bool = False  # skip (and count) malformed prompt records instead of failing
     # hf: transformers' batched generate (batch_size prompts at a time). vllm: vLLM's offline engine (the
     # `vllm` extra); batch_size is then the chunk of prompts handed to vLLM at once and fsynced after
     # (vLLM batches inside a chunk itself: use hundreds on GPUs).
-    engine: str = "hf"
-    tensor_parallel_size: int = 1  # vllm: GPUs one copy of the target is split over
-    data_parallel_size: int = 1  # vllm: copies of the target on this node, each serving part of a chunk
-    memory: float | None = None  # vllm: gpu_memory_utilization (CPU: share of host memory); null = 0.9 GPU, 0.3 CPU
+    engine: Str = "hf"
+    tensor_parallel_size: Int = 1  # vllm: GPUs one copy of the target is split over
+    data_parallel_size: Int = 1  # vllm: copies of the target on this node, each serving part of a chunk
+    memory: Float | None = None  # vllm: gpu_memory_utilization (CPU: share of host memory); null = 0.9 GPU, 0.3 CPU
     # SLURM job arrays (scripts/slurm/regenerate.sbatch): this task answers the shard_index-th of num_shards
     # contiguous slices of the prompts into <output stem>.shard-I-of-N.jsonl; `merge` joins them in order.
-    num_shards: int = 1
-    shard_index: int = 0
+    num_shards: Int = 1
+    shard_index: Int = 0
 
 
 @dataclass
 class PromptDomain:
     """One kind of self-written prompt (python -m data.prompts)."""
 
-    name: str = "general"
-    weight: float = 1.0  # relative share of candidates drawn from this domain
-    system: str | None = None  # system hint rendered while the target writes the user turn (not kept)
-    openers: list[str] = field(default_factory=list)  # opening words of the user turn; one is drawn per item
+    __pydantic_config__ = _SECTION
+    name: Str = "general"
+    weight: Float = 1.0  # relative share of candidates drawn from this domain
+    system: Str | None = None  # system hint rendered while the target writes the user turn (not kept)
+    openers: list[Str] = field(default_factory=list)  # opening words of the user turn; one is drawn per item
 
 
 def _default_domains() -> list[PromptDomain]:
@@ -127,267 +182,257 @@ def _default_domains() -> list[PromptDomain]:
 
 @dataclass
 class PromptsConfig:
-    """Self-written prompts: the target writes user turns, filtered and mixed (python -m data.prompts)."""
+    """Self-written prompts: the target writes user turns, filtered and mixed (python -m data.prompts).
 
-    output: str = "prompts.jsonl"  # prompt JSONL written (relative paths go under --out)
-    num_prompts: int = 256  # prompts in the output, mixed ones included
-    mix_prompts: str | None = "data/bundled/gsm8k_train.jsonl"  # prompt file mixed in (its first prompts)
-    mix_share: float = 0.25  # share of the output taken from mix_prompts, in [0, 1)
+    Types only here: data.prompts.check_prompts_config checks the ranges when prompts are written."""
+
+    __pydantic_config__ = _SECTION
+
+    output: Str = "prompts.jsonl"  # prompt JSONL written (relative paths go under --out)
+    num_prompts: Int = 256  # prompts in the output, mixed ones included
+    mix_prompts: Str | None = "data/bundled/gsm8k_train.jsonl"  # prompt file mixed in (its first prompts)
+    mix_share: Float = 0.25  # share of the output taken from mix_prompts, in [0, 1)
     domains: list[PromptDomain] = field(default_factory=_default_domains)
-    batch_size: int = 16  # candidates sampled together (left padded)
-    max_new_tokens: int = 96  # a user turn longer than this is dropped as unfinished
-    temperature: float = 1.0  # > 0: a greedy target would write one prompt per domain
-    top_p: float = 0.95
-    min_chars: int = 16  # shorter prompts are dropped
-    min_words: int = 4
-    ngram: int = 5  # word n-gram size for duplicate and benchmark-overlap checks
-    max_dup_overlap: float = 0.5  # drop a prompt sharing this share of its n-grams with one kept prompt
-    max_bench_overlap: float = 0.3  # drop a prompt sharing this share of n-grams with a benchmark prompt
-    max_candidates_factor: int = 8  # give up after num_prompts x this many candidates
+    batch_size: Int = 16  # candidates sampled together (left padded)
+    max_new_tokens: Int = 96  # a user turn longer than this is dropped as unfinished
+    temperature: Float = 1.0  # > 0: a greedy target would write one prompt per domain
+    top_p: Float = 0.95
+    min_chars: Int = 16  # shorter prompts are dropped
+    min_words: Int = 4
+    ngram: Int = 5  # word n-gram size for duplicate and benchmark-overlap checks
+    max_dup_overlap: Float = 0.5  # drop a prompt sharing this share of its n-grams with one kept prompt
+    max_bench_overlap: Float = 0.3  # drop a prompt sharing this share of n-grams with a benchmark prompt
+    max_candidates_factor: Int = 8  # give up after num_prompts x this many candidates
 
 
 @dataclass
 class FeaturesConfig:
     """Where training features come from (python -m data.extract for the offline store)."""
 
-    mode: str = "offline"  # offline (read a store) | online (run the target inside the training loop)
-    store: str = "features"  # store folder (relative paths go under --out)
-    dtype: str = "bfloat16"  # stored dtype: bfloat16 | float16 | float32
-    shard_tokens: int = 262144  # tokens per shard file
-    batch_tokens: int = 8192  # tokens per target forward during extraction
-    verify_on_read: bool = True  # offline: hash each shard once when first read (names a corrupted shard)
+    __pydantic_config__ = _SECTION
+
+    mode: Literal["offline", "online"] = "offline"  # offline: read a store; online: run the target in the loop
+    store: Str = "features"  # store folder (relative paths go under --out)
+    dtype: Dtype = "bfloat16"  # stored dtype
+    shard_tokens: Count = 262144  # tokens per shard file
+    batch_tokens: Count = 8192  # tokens per target forward during extraction
+    verify_on_read: Bool = True  # offline: hash each shard once when first read (names a corrupted shard)
 
 
 @dataclass
 class OptimConfig:
     """AdamW over head parameters, linear warmup then cosine decay."""
 
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    grad_clip: float = 0.5
-    grad_accum: int = 1
+    __pydantic_config__ = _SECTION
+
+    lr: Positive = 1e-4
+    weight_decay: NonNegative = 0.0
+    betas: Annotated[tuple[Beta, Beta], BeforeValidator(_list_as_tuple)] = (0.9, 0.95)
+    warmup_steps: Annotated[Int, Field(ge=0)] = 50
+    min_lr_ratio: Fraction = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_clip: NonNegative = 0.5
+    grad_accum: Count = 1
 
 
 @dataclass
 class TrainConfig:
     """The shared training loop (train/loop.py)."""
 
-    epochs: int = 1
-    max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs)
-    batch_size: int = 4  # conversations per micro-batch per process
+    __pydantic_config__ = _SECTION
+
+    epochs: Count = 1
+    max_steps: Count | None = None  # stop after this many optimizer steps (overrides epochs)
+    batch_size: Count = 4  # conversations per micro-batch per process
     # sequences per optimizer step over all processes; null = batch_size x processes x optim.grad_accum.
     # When set, grad_accum = global_batch_size / (batch_size x processes), so 1 and N processes train alike.
-    global_batch_size: int | None = None
-    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
-    checkpoint_every: int = 500  # optimizer steps between checkpoints
-    eval_every: int = 200  # optimizer steps between held-out evaluations
-    log_every: int = 10
-    eval_at_end: bool = False  # run eval.run on the trained head when training ends
+    global_batch_size: Count | None = None
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # accelerate
+    checkpoint_every: Count = 500  # optimizer steps between checkpoints
+    eval_every: Count = 200  # optimizer steps between held-out evaluations
+    log_every: Count = 10
+    eval_at_end: Bool = False  # run eval.run on the trained head when training ends
 
 
 @dataclass
 class LoggingConfig:
-    wandb_mode: str = "offline"  # offline | online | disabled (never prompts for a login)
-    wandb_project: str = "draftheads"
-    run_name: str | None = None
+    __pydantic_config__ = _SECTION
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # never prompts for a login
+    wandb_project: Str = "draftheads"
+    run_name: Str | None = None
 
 
 @dataclass
 class EvalConfig:
     """Speculative decoding evaluation (python -m eval.run)."""
 
-    bench: list[str] = field(default_factory=lambda: ["mt_bench"])  # bundled names or question files
-    max_questions: int | None = None
-    max_new_tokens: int = 128
-    temperature: list[float] = field(default_factory=lambda: [0.0])
-    num_draft_tokens: int | None = None  # chain length k; null = choose from measured costs
-    tree: str = "auto"  # auto | chain | static | dynamic
-    policy: str = "adaptive"  # adaptive (eval.policy: per-pass k from this request's acceptance) | fixed (k every pass)
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    __pydantic_config__ = _SECTION
+
+    bench: list[Str] = field(default_factory=lambda: ["mt_bench"])  # bundled names or question files
+    max_questions: Count | None = None
+    max_new_tokens: Count = 128
+    temperature: list[NonNegative] = field(default_factory=lambda: [0.0])
+    num_draft_tokens: Count | None = None  # chain length k; null = choose from measured costs
+    tree: Literal["auto", "chain", "static", "dynamic"] = "auto"
+    policy: Str = "adaptive"  # adaptive (eval.policy: per-pass k from this request's acceptance) | fixed (k every pass)
+    batch_sizes: list[Count] = field(default_factory=lambda: [1, 2, 4, 8, 16])
 
 
 @dataclass
 class RunConfig:
     """Everything one run needs; each section is documented by its dataclass."""
 
+    __pydantic_config__ = _SECTION
+
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
-    head: HeadConfig = field(default_factory=lambda: HeadConfig.resolve_class({})())  # see heads/*.py
+    head: Annotated[HeadConfig, PlainValidator(_validate_head)] = field(default_factory=lambda: HeadConfig.resolve_class({})())  # see heads/*.py
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    seed: int = 0
-    out: str = "runs/default"  # output folder; --out overrides
+    seed: Int = 0
+    out: Str = "runs/default"  # output folder; --out overrides
 
-
-# ----------------------------------------------------------------------------------------------- ranges
-# (section, key) -> allowed values; checked when a config is loaded, before anything heavy starts.
-ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("target", "dtype"): ("float32", "bfloat16", "float16"),
-    ("data", "format"): ("auto", "sharegpt", "messages", "mtbench", "qa", "prompts", "hf"),
-    ("features", "mode"): ("offline", "online"),
-    ("features", "dtype"): ("bfloat16", "float16", "float32"),
-    ("train", "mixed_precision"): ("no", "bf16", "fp16"),
-    ("logging", "wandb_mode"): ("offline", "online", "disabled"),
-    ("eval", "tree"): ("auto", "chain", "static", "dynamic"),
-}
-# (section, key) -> (lowest, highest, lowest excluded); None values (where allowed) are not checked.
-RANGES: dict[tuple[str, str], tuple[float, float, bool]] = {
-    ("optim", "lr"): (0.0, math.inf, True),
-    ("optim", "weight_decay"): (0.0, math.inf, False),
-    ("optim", "warmup_steps"): (0, math.inf, False),
-    ("optim", "min_lr_ratio"): (0.0, 1.0, False),
-    ("optim", "grad_clip"): (0.0, math.inf, False),
-    ("optim", "grad_accum"): (1, math.inf, False),
-    ("train", "epochs"): (1, math.inf, False),
-    ("train", "max_steps"): (1, math.inf, False),
-    ("train", "batch_size"): (1, math.inf, False),
-    ("train", "global_batch_size"): (1, math.inf, False),
-    ("train", "checkpoint_every"): (1, math.inf, False),
-    ("train", "eval_every"): (1, math.inf, False),
-    ("train", "log_every"): (1, math.inf, False),
-    ("data", "max_samples"): (1, math.inf, False),
-    ("data", "max_length"): (2, math.inf, False),
-    ("data", "holdout_fraction"): (0.0, 1.0, False),
-    ("features", "shard_tokens"): (1, math.inf, False),
-    ("features", "batch_tokens"): (1, math.inf, False),
-    ("regenerate", "num_prompts"): (1, math.inf, False),
-    ("regenerate", "batch_size"): (1, math.inf, False),
-    ("regenerate", "max_new_tokens"): (1, math.inf, False),
-    ("regenerate", "temperature"): (0.0, math.inf, False),
-    ("regenerate", "top_p"): (0.0, 1.0, True),
-    ("eval", "max_questions"): (1, math.inf, False),
-    ("eval", "max_new_tokens"): (1, math.inf, False),
-    ("eval", "num_draft_tokens"): (1, math.inf, False),
-}
-
-
-def _check_value(value: Any, key: str, source: str, lo: float, hi: float, open_lo: bool) -> None:
-    if value is None or isinstance(value, str):
-        return
-    bad = not math.isfinite(value) or value < lo or value > hi or (open_lo and value == lo)
-    if bad:
-        low = f"> {lo:g}" if open_lo else f">= {lo:g}"
-        want = low if hi == math.inf else f"in [{lo:g}, {hi:g}]" if not open_lo else f"in ({lo:g}, {hi:g}]"
-        raise ConfigError(f"{source}: key '{key}': must be {want}, got {value!r}")
-
-
-def validate(cfg: Any, source: str) -> None:
-    """Refuse values out of range or misspelled enums (a RunConfig; other classes are not checked)."""
-    if not isinstance(cfg, RunConfig):
-        return
-    for (section, key), allowed in ENUMS.items():
-        value = getattr(getattr(cfg, section), key)
-        if value not in allowed:
-            raise ConfigError(f"{source}: key '{section}.{key}': '{value}' is not one of {', '.join(allowed)}")
-    for (section, key), (lo, hi, open_lo) in RANGES.items():
-        _check_value(getattr(getattr(cfg, section), key), f"{section}.{key}", source, lo, hi, open_lo)
-    for i, b in enumerate(cfg.optim.betas):
-        _check_value(b, f"optim.betas[{i}]", source, 0.0, 0.999999, False)
-    for t in cfg.eval.temperature:
-        _check_value(t, "eval.temperature", source, 0.0, math.inf, False)
-    for b in cfg.eval.batch_sizes:
-        _check_value(b, "eval.batch_sizes", source, 1, math.inf, False)
-    ids = getattr(cfg.head, "layer_ids", None)
-    if ids is not None and (not ids or list(ids) != sorted(set(ids)) or min(ids) < 0):
-        raise ConfigError(f"{source}: key 'head.layer_ids': {list(ids)} must be ascending, distinct and >= 0")
 
 
 def check_layer_ids(cfg: RunConfig, target_config: Any) -> list[int]:
     """The head's feature layers for this target config (read without weights); ConfigError when out of range."""
-    from heads.base import family_module
-
     try:
         return list(family_module(cfg.head.family).feature_layers(cfg.head, target_config))
     except ValueError as e:
         raise ConfigError(f"config key 'head.layer_ids' for target '{cfg.target.name_or_path}': {e}") from None
 
 
-# ----------------------------------------------------------------------------------------------- machinery
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def _check_layer_ids_shape(cfg: Any, where: str) -> None:
+    ids = getattr(getattr(cfg, "head", None), "layer_ids", None)
+    if ids is not None and (not ids or list(ids) != sorted(set(ids)) or min(ids) < 0):
+        raise ConfigError(f"{where}: key 'head.layer_ids': {list(ids)} must be ascending, distinct and >= 0")
 
 
-def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
-    """Check `value` against the annotation `tp`, converting only where it is lossless (int -> float)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
+# ----------------------------------------------------------------------------------------------- errors
+Loc = tuple[str | int, ...]
+# pydantic error type -> what the value must be (range errors are worded from the field's bounds instead)
+_EXPECTED = {"int_type": "int", "float_type": "float", "bool_type": "true/false", "string_type": "str",
+             "list_type": "a list", "tuple_type": "a list", "mapping_type": "a mapping", "dict_type": "a mapping",
+             "dataclass_type": "a mapping", "dataclass_exact_type": "a mapping"}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+
+
+def _dotted(loc: Loc) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def _strip(tp: Any) -> Any:
+    """`tp` without Annotated and `| None` wrappers."""
+    while True:
+        if typing.get_origin(tp) is Annotated:
+            tp = typing.get_args(tp)[0]
+        elif type(None) in typing.get_args(tp):
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        else:
+            return tp
+
+
+def _annotation_at(cls: Any, tree: Any, loc: Loc) -> Any:
+    """The annotation of the field at `loc` (the head section resolved from its `family`); None if none."""
+    tp = cls
+    for part in loc:
+        tp = _strip(tp)
+        if isinstance(part, int):
+            args = typing.get_args(tp)
+            tp = args[part] if typing.get_origin(tp) is tuple and part < len(args) else args[0] if args else None
+            tree = tree[part] if isinstance(tree, list) and part < len(tree) else {}
+        elif dataclasses.is_dataclass(tp):
+            if hasattr(tp, "resolve_class"):
+                tp = tp.resolve_class(tree if isinstance(tree, dict) else {})
+            tp = typing.get_type_hints(tp, include_extras=True).get(part)
+            tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+        else:
             return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key, source)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{source}: key '{key}': expected {_type_name(tp)}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: key '{key}': expected a mapping, got {value!r}")
-        return from_dict(tp, value, source, prefix=key + ".")
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{source}: key '{key}': expected a list, got {value!r}")
-        args = typing.get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"{source}: key '{key}': expected {len(args)} items, got {value!r}")
-            return tuple(_coerce(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, args)))
-        item = args[0] if args else Any
-        out = [_coerce(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: key '{key}': expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is Any:
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        # YAML 1.1 reads "3e-4" (no dot) as a string; accept it where a float is expected.
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp is bool and not isinstance(value, bool):
-        raise ConfigError(f"{source}: key '{key}': expected true/false, got {value!r}")
-    if tp is int and isinstance(value, bool):
-        raise ConfigError(f"{source}: key '{key}': expected int, got {value!r}")
-    if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(f"{source}: key '{key}': expected {_type_name(tp)}, got {value!r}")
-    return value
+    return tp
 
 
-def from_dict(cls: type[T], data: dict, source: str = "<dict>", prefix: str = "") -> T:
-    """Build dataclass `cls` from `data`, refusing unknown keys and wrong types (naming key and source).
+def _bounds(tp: Any) -> dict[str, float]:
+    """The ge/gt/le/lt bounds pydantic's Field(...) put into an annotation (through `| None`)."""
+    found: dict[str, float] = {}
+    while True:
+        if typing.get_origin(tp) is Annotated:
+            for meta in tp.__metadata__:
+                for m in getattr(meta, "metadata", [meta]):
+                    found.update({k: getattr(m, k) for k in ("gt", "ge", "lt", "le") if hasattr(m, k)})
+            tp = typing.get_args(tp)[0]
+        elif type(None) in typing.get_args(tp):
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        else:
+            return found
 
-    A dataclass may define `resolve_class(data) -> subclass` to pick a subclass from the data itself
-    (the head section picks its family's dataclass from `family`).
-    """
-    if hasattr(cls, "resolve_class"):
-        try:
-            cls = cls.resolve_class(data)
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"{source}: key '{prefix}family': {e}") from None
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(
-            f"{source}: unknown key '{prefix}{unknown[0]}' (known in '{prefix or '<top>'}': {', '.join(sorted(names))})"
-        )
-    kwargs = {k: _coerce(v, hints[k], prefix + k, source) for k, v in data.items()}
-    return cls(**kwargs)
+
+def _want(b: dict[str, float]) -> str:
+    """Bounds as the old loader worded them: '> 0', '>= 1', 'in [0, 1]', 'in (0, 1]'."""
+    lo = f"> {b['gt']:g}" if "gt" in b else f">= {b['ge']:g}" if "ge" in b else None
+    if "le" not in b and "lt" not in b:
+        return lo or "finite"
+    hi_v, hi_br = (b["le"], "]") if "le" in b else (b["lt"], ")")
+    if lo is None:
+        return f"<= {hi_v:g}" if hi_br == "]" else f"< {hi_v:g}"
+    lo_br, lo_v = ("(", b["gt"]) if "gt" in b else ("[", b["ge"])
+    return f"in {lo_br}{lo_v:g}, {hi_v:g}{hi_br}"
+
+
+def _describe(err: Any, cls: type, tree: dict) -> str:
+    """One pydantic error as the loader's sentence: `key 'a.b': <what is wrong>` or `unknown key 'a.c' (...)`."""
+    loc, kind, value = tuple(err["loc"]), err["type"], err.get("input")
+    key = _dotted(loc)
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        section = _strip(_annotation_at(cls, tree, loc[:-1]))
+        if hasattr(section, "resolve_class"):
+            section = section.resolve_class(_value_at(tree, loc[:-1]))
+        known = sorted(f.name for f in dataclasses.fields(section))
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        where = _dotted(loc[:-1]) or "<top>"
+        return f"unknown key '{key}' ({hint}known in '{where}': {', '.join(known)})"
+    if kind in _RANGE_ERRORS:
+        return f"key '{key}': must be {_want(_bounds(_annotation_at(cls, tree, loc)))}, got {value!r}"
+    if kind == "literal_error":
+        return f"key '{key}': {value!r} is not one of {err['ctx']['expected']}"
+    if kind in _EXPECTED:
+        return f"key '{key}': expected {_EXPECTED[kind]}, got {value!r}"
+    if kind == "head_family":
+        return f"key '{key}': {err['msg']}"
+    if kind in ("missing", "too_long"):  # a tuple (optim.betas) given too few or too many items
+        loc = loc[:-1] if kind == "missing" else loc
+        n = len(typing.get_args(_strip(_annotation_at(cls, tree, loc))))
+        return f"key '{_dotted(loc)}': expected {n} items, got {_value_at(tree, loc)!r}"
+    return f"key '{key}': {err['msg']}, got {value!r}"
+
+
+def _value_at(tree: Any, loc: Loc) -> Any:
+    for part in loc:
+        ok = isinstance(tree, dict) and part in tree or isinstance(tree, list) and isinstance(part, int) \
+            and part < len(tree)
+        tree = tree[part] if ok else {}
+    return tree
+
+
+# ----------------------------------------------------------------------------------------------- machinery
+@functools.cache
+def _adapter(cls: type) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(cls)
+
+
+def _validate(cls: type[T], tree: dict, where: Any) -> T:
+    """`tree` checked and built into `cls`; `where(loc)` names the source of a failing key."""
+    try:
+        return _adapter(cls).validate_python(tree)
+    except pydantic.ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        if err["type"] == "invalid_key":  # a YAML key that is not a string (`1:`): unknown like any other
+            err.update(loc=(*err["loc"][:-1], str(err["loc"][-1])), type="unexpected_keyword_argument")
+        raise ConfigError(f"{where(tuple(err['loc']))}: {_describe(err, cls, tree)}") from None
 
 
 def to_dict(obj: Any) -> Any:
@@ -402,7 +447,8 @@ def to_dict(obj: Any) -> Any:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe YAML loader that refuses duplicate keys (plain YAML silently keeps the last one)."""
+    """A safe YAML loader that refuses duplicate keys (plain YAML silently keeps the last one) and reads
+    `3e-4` as a float (YAML 1.2; PyYAML's YAML 1.1 wants a dot and would read the string '3e-4')."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
@@ -413,6 +459,53 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"duplicate key '{key}'", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _parse_yaml(text: str) -> tuple[Any, dict[Loc, int]]:
+    """The YAML document and the 1-based line of every key and list item in it (by its pydantic loc)."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        tree = loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+    lines: dict[Loc, int] = {}
+
+    def walk(n: yaml.Node, loc: Loc) -> None:
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                lines[(*loc, k.value)] = k.start_mark.line + 1
+                walk(v, (*loc, k.value))
+        elif isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                lines[(*loc, i)] = v.start_mark.line + 1
+                walk(v, (*loc, i))
+
+    if node is not None:
+        walk(node, ())
+    return tree, lines
+
+
+def _read_yaml(path: str | Path) -> tuple[dict, dict[Loc, int]]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    try:
+        tree, lines = _parse_yaml(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if tree is None:
+        raise ConfigError(f"{path}: the config file is empty (give at least one section, e.g. `target:`)")
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return tree, lines
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -428,48 +521,49 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _apply_overrides(tree: dict, overrides: list[str]) -> list[Loc]:
+    """Set each `--a.b=value` (value parsed as YAML) in `tree`; returns the keys set, as locs."""
+    keys = []
+    for item in overrides:
+        flag = item[2:] if item.startswith("--") else item
+        if "=" not in flag:
+            raise ConfigError(f"command line: override '{item}' must look like --key.sub=value")
+        key, raw = flag.split("=", 1)
+        try:
+            value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key, value)
+        keys.append(tuple(key.split(".")))
+    return keys
+
+
 def load_config(
     path: str | Path | None, overrides: list[str] | None = None, cls: type[T] = RunConfig
 ) -> T:
-    """Load `cls` from a YAML file and apply `--a.b=value` overrides (values parsed as YAML)."""
+    """Load `cls` from a YAML file and apply `--a.b=value` overrides (values parsed as YAML).
+
+    A bad key is named with the YAML line it is on, or as coming from the command line when an override set
+    it (or a section above it)."""
     tree: dict = {}
+    lines: dict[Loc, int] = {}
     source = "<defaults>"
     if path is not None:
         source = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
-        try:
-            tree = yaml.load(text, Loader=_UniqueKeyLoader)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {e}") from None
-        if tree is None:
-            raise ConfigError(f"{path}: the config file is empty (give at least one section, e.g. `target:`)")
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: top level must be a mapping")
-    cfg = from_dict(cls, tree, source)
-    if not overrides:
-        validate(cfg, source)
-    else:
-        # Overrides go onto the file's own tree (not the filled-in defaults), so switching
-        # --head.family does not drag the old family's default keys along.
-        merged = tree
-        for item in overrides:
-            flag = item[2:] if item.startswith("--") else item
-            if "=" not in flag:
-                raise ConfigError(f"command line: override '{item}' must look like --key.sub=value")
-            key, raw = flag.split("=", 1)
-            try:
-                value = yaml.safe_load(raw) if raw != "" else None
-            except yaml.YAMLError:
-                value = raw
-            _set_dotted(merged, key, value)
-        where = f"command line ({source} + overrides)"
-        cfg = from_dict(cls, merged, where)
-        validate(cfg, where)
+        tree, lines = _read_yaml(path)
+    # Overrides go onto the file's own tree (not the filled-in defaults), so switching
+    # --head.family does not drag the old family's default keys along.
+    set_keys = _apply_overrides(tree, overrides or [])
+    command_line = f"command line ({source} + overrides)"
+
+    def where(loc: Loc) -> str:
+        if any(loc[:len(k)] == k for k in set_keys):
+            return command_line
+        known = [loc[:n] for n in range(len(loc), 0, -1) if loc[:n] in lines]
+        return f"{source}:{lines[known[0]]}" if known else command_line if set_keys else source
+
+    cfg = _validate(cls, tree, where)
+    _check_layer_ids_shape(cfg, command_line if set_keys else source)
     return cfg
 
 

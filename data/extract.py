@@ -67,7 +67,8 @@ from data.store import (
     verify,
     write_json_atomic,
 )
-from data.target import text_config
+from data.target import load_config_only, load_target, resolve_device, text_config
+from data.tokenize import build_datasets, collate, dataset_fingerprint
 from heads.base import check_target, family_module, target_record
 
 SPLITS = ("train", "holdout")
@@ -124,8 +125,6 @@ def target_info(model: nn.Module, name: str, revision: str | None) -> dict:
 def make_header(target: dict, layer_ids: list[int], dtype: str, split: str, dataset: datasets.Dataset,
                 world: int, batch_tokens: int, shard_tokens: int) -> dict:
     """The store-wide fields every part file and the manifest of one split carry (store.HEADER_KEYS)."""
-    from data.tokenize import dataset_fingerprint
-
     h = target["hidden_size"]
     return {
         "format": FORMAT,
@@ -211,8 +210,6 @@ def extract_split(model: nn.Module, dataset: datasets.Dataset, split_dir: Path, 
     meta = {"format": FORMAT, "split": header["split"], "rank": str(rank), "world": str(world),
             "layer_ids": json.dumps(layer_ids), "dtype": header["dtype"], "hidden_size": str(header["hidden_size"]),
             "target_fingerprint": header["target"]["fingerprint"], "data_fingerprint": header["data_fingerprint"]}
-    from data.tokenize import collate
-
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract {header['split']} r{rank}",
                disable=not show_progress or total == 0)
     for shard in todo:
@@ -255,8 +252,6 @@ def _existing_bytes(split_dir: Path, header: dict) -> int:
 
 def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0, num_shards: int = 1) -> list[Path]:
     """Extract the configured splits (this process's share); returns the split folders."""
-    from data.target import load_config_only, load_target, resolve_device
-    from data.tokenize import build_datasets
 
     if not 0 <= shard_index_ < num_shards:
         raise ConfigError(f"--shard-index {shard_index_} must be in 0..{num_shards - 1}")

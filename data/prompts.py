@@ -49,6 +49,7 @@ from data.cli import cli_main
 from data.config import PromptsConfig, RunConfig, save_config, to_dict
 from data.readers import DataError, read_records
 from data.regenerate import check_settings, generate_texts, read_done, run_cli
+from data.target import load_model, load_tokenizer
 
 _BUNDLED = Path(__file__).resolve().parent / "bundled"
 # The eval stage's bundled benchmark prompts (eval/bench.py reads the same files): never train on them.
@@ -248,6 +249,10 @@ class Tally:
     dropped: Counter = field(default_factory=Counter)
     kept_chars: list[int] = field(default_factory=list)
 
+    def summary(self) -> dict[str, Any]:
+        return {"generated": self.generated, "kept": len(self.kept_chars), "dropped": dict(self.dropped),
+                "mean_chars": sum(self.kept_chars) / len(self.kept_chars) if self.kept_chars else 0.0}
+
 
 def _settings(cfg: RunConfig) -> dict[str, Any]:
     """What decides the prompts (not batch_size: batching changes no sample; not num_prompts: a larger one
@@ -263,24 +268,28 @@ def _read_journal(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
 
 
+def read_mix(pcfg: PromptsConfig, n_mix: int) -> list[dict]:
+    """The first `n_mix` prompts (with a user turn) of prompts.mix_prompts, as prompt rows."""
+    if not n_mix:
+        return []
+    if not pcfg.mix_prompts:
+        raise DataError("prompts.mix_share > 0 needs prompts.mix_prompts (a prompt file)")
+    records, _ = read_records(pcfg.mix_prompts, "auto", "train", n_mix)
+    mix = [{"id": f"mix-{r.id}", "prompt": next(m["content"] for m in r.messages if m["role"] == "user"),
+            "category": "mix"} for r in records if any(m["role"] == "user" for m in r.messages)]
+    if len(mix) < n_mix:
+        raise DataError(f"{pcfg.mix_prompts}: {len(mix)} prompts with a user turn, mix needs {n_mix}")
+    return mix
+
+
 def write_prompts(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
     """Run (or resume) prompt writing for `cfg`; returns the summary. Loads the target unless given one."""
     pcfg = cfg.prompts
     check_prompts_config(pcfg)
     n_mix = round(pcfg.num_prompts * pcfg.mix_share)
     n_self = pcfg.num_prompts - n_mix
-    mix = []
-    if n_mix:
-        if not pcfg.mix_prompts:
-            raise DataError("prompts.mix_share > 0 needs prompts.mix_prompts (a prompt file)")
-        records, _ = read_records(pcfg.mix_prompts, "auto", "train", n_mix)
-        mix = [{"id": f"mix-{r.id}", "prompt": next(m["content"] for m in r.messages if m["role"] == "user"),
-                "category": "mix"} for r in records if any(m["role"] == "user" for m in r.messages)]
-        if len(mix) < n_mix:
-            raise DataError(f"{pcfg.mix_prompts}: {len(mix)} prompts with a user turn, mix needs {n_mix}")
+    mix = read_mix(pcfg, n_mix)
     if model is None or tokenizer is None:
-        from data.target import load_model, load_tokenizer
-
         model, tokenizer = load_model(cfg.target), load_tokenizer(cfg.target)
     template = cfg.data.chat_template
     heads = {d.name: user_turn_prefix(tokenizer, d.system, template) for d in pcfg.domains}
@@ -358,9 +367,7 @@ def write_prompts(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> d
         "generated_tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-        "domains": {name: {"generated": t.generated, "kept": len(t.kept_chars), "dropped": dict(t.dropped),
-                           "mean_chars": sum(t.kept_chars) / len(t.kept_chars) if t.kept_chars else 0.0}
-                    for name, t in tally.items()},
+        "domains": {name: t.summary() for name, t in tally.items()},
     }
     out_path.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2))
     return summary

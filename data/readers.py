@@ -180,7 +180,7 @@ def iter_records(
         return
     if fmt != "hf" and p.suffix in (".jsonl", ".json", ".gz"):
         raise DataError(f"{p}: no such file")
-    import datasets
+    import datasets  # here, not at the top: a second of import time the JSONL-only readers never need
 
     try:
         ds = datasets.load_from_disk(str(p)) if p.is_dir() else datasets.load_dataset(str(path), split=split)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -50,13 +51,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from tqdm import tqdm
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from data.cli import cli_main, write_atomic
-from data.config import RegenerateConfig, RunConfig, save_config, to_dict
+from data.config import RegenerateConfig, RunConfig, parse_args, save_config, to_dict
 from data.readers import DataError, Record, read_records, to_sharegpt
 from data.sampling import target_distribution
+from data.target import load_model, load_tokenizer
 
 
 @dataclass
@@ -126,13 +129,12 @@ class RowSampler(LogitsProcessor):
 
 
 def eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    """Token ids that end an answer: the tokenizer's EOS plus the model's generation-config EOS id(s)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    """Token ids that end an answer: the tokenizer's EOS plus the model's generation-config EOS id(s).
+
+    The one EOS helper (regeneration, prompt writing and eval); DataError when neither defines one."""
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(gen_eos, int):
-        ids.add(gen_eos)
-    elif gen_eos:
-        ids.update(gen_eos)
+    listed = list(gen_eos) if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+    ids = {i for i in (tokenizer.eos_token_id, *listed) if i is not None}
     if not ids:
         raise DataError("the target's tokenizer and generation config define no EOS token; cannot stop answers")
     return sorted(ids)
@@ -332,10 +334,9 @@ def output_path(cfg: RunConfig, shard: int | None = None) -> Path:
 
 def load_engine(cfg: RunConfig) -> tuple[Any, Any, Any]:
     """(model, tokenizer, generate function) of regenerate.engine for cfg.target."""
-    from data.target import load_model, load_tokenizer
-
     rcfg = cfg.regenerate
     if rcfg.engine == "vllm":
+        # optional engine: data.vllm_engine is imported only when asked for (the project never needs vLLM)
         from data.vllm_engine import VllmTarget
 
         target = VllmTarget(cfg.target, tensor_parallel_size=rcfg.tensor_parallel_size, memory=rcfg.memory,
@@ -456,10 +457,6 @@ def _data_parallel(cfg: RunConfig) -> dict[str, Any]:
     joined in order into this task's output, so the result equals a single process's. One process per copy
     because vLLM's offline LLM refuses data_parallel_size > 1 in one process. Rerun after a kill: each child
     resumes its own file."""
-    import subprocess
-
-    import yaml
-
     rcfg = cfg.regenerate
     n_dp, tp = rcfg.data_parallel_size, rcfg.tensor_parallel_size
     out_dir = Path(cfg.out)
@@ -525,8 +522,6 @@ def run_cli(description: str, run: Callable[[RunConfig], dict[str, Any]], fmt: C
             name: str, saved: str, argv: list[str] | None) -> None:
     """The data stages' runner (inside their `cli_main`): parse the common flags, run, print the summary;
     Ctrl-C says what `saved` and exits 130."""
-    from data.config import parse_args
-
     cfg, _ = parse_args(description, argv)
     try:
         summary = run(cfg)

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
 
 from data.cli import UserError, write_atomic
 from heads.base import HeadMismatchError, sha256_file  # noqa: F401  (sha256_file: re-exported)
@@ -217,8 +218,6 @@ class ShardWriter:
 
 def shard_index(path: Path) -> dict[str, torch.Tensor]:
     """The offsets and sample ids of one shard file (read through the safetensors header)."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             return {"offsets": f.get_tensor("offsets"), "sample_ids": f.get_tensor("sample_ids")}
@@ -423,8 +422,6 @@ class StoreReader:
 
     def _slice(self, k: int) -> Any:
         if k not in self._handles:
-            from safetensors import safe_open
-
             entry = self.manifest["shards"][k]
             path = shard_path(self.folder, entry, self.folder / MANIFEST)
             if self.verify_checksums and k not in self._verified:

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from data.cli import cli_main
-from data.config import RunConfig
+from data.config import RunConfig, parse_args
 from data.readers import DataError, read_records
+from data.target import load_tokenizer
 
 
 def _render(tokenizer: Any, messages: list[dict], template: str | None, gen: bool) -> str:
@@ -232,8 +233,6 @@ def summarize(train: datasets.Dataset, holdout: datasets.Dataset, batch_size: in
 
 @cli_main
 def main(argv: list[str] | None = None) -> None:
-    from data.config import parse_args
-    from data.target import load_tokenizer
 
     cfg, _ = parse_args("Tokenize the configured conversations and print a summary.", argv)
     tok = load_tokenizer(cfg.target)

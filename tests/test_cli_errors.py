@@ -34,7 +34,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "regenerate-malformed-line": (["data.regenerate", *tiny, f"--regenerate.prompts={bad}"],
                                       f"{bad}:3: invalid JSON"),
         "regenerate-unknown-key": (["data.regenerate", "--config", str(typo)],
-                                   f"{typo}: unknown key 'regenerate.max_new_token'"),
+                                   f"{typo}:4: unknown key 'regenerate.max_new_token'"),
         "regenerate-missing-model": (["data.regenerate", f"--target.name_or_path={tmp / 'gone.gguf'}"],
                                      f"GGUF file {tmp / 'gone.gguf'} does not exist"),
         "tokenize-malformed-line": (["data.tokenize", *tiny, f"--data.path={bad}"], f"{bad}:3: invalid JSON"),

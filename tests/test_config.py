@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from data.config import ConfigError, RunConfig, load_config, save_config
+from data.config import ConfigError, RunConfig, TargetConfig, load_config, save_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,3 +59,56 @@ def test_duplicate_key_is_an_error(tmp_path: Path) -> None:
     p.write_text("features:\n  mode: offline\ntrain:\n  epochs: 1\nfeatures:\n  mode: online\n")
     with pytest.raises(ConfigError, match=r"(?s)dup.yaml.*duplicate key 'features'.*line 5"):
         load_config(p)
+
+
+@pytest.mark.parametrize("text, needles", [
+    # the YAML line of the bad key, the dotted key, what it must be (bounds worded as the old loader did)
+    ("optim:\n  lr: 1e-4\n  min_lr_ratio: 5\n", ("c.yaml:3:", "'optim.min_lr_ratio'", "must be in [0, 1], got 5")),
+    ("optim:\n  lr: .nan\n", ("c.yaml:2:", "'optim.lr'", "must be > 0")),
+    ("regenerate:\n  top_p: 0\n", ("c.yaml:2:", "'regenerate.top_p'", "in (0, 1]")),
+    ("eval:\n  temperature: [0.0,\n    -1]\n", ("c.yaml:3:", "'eval.temperature[1]'", ">= 0, got -1")),
+    ("optim:\n  betas: [0.9]\n", ("'optim.betas'", "expected 2 items")),
+    # strict leaves: no "5" for an int, no 1 for a bool, no 5 for a str (in the head section too)
+    ("train:\n  epochs: '5'\n", ("'train.epochs'", "expected int")),
+    ("target:\n  trust_remote_code: 1\n", ("c.yaml:2:", "'target.trust_remote_code'", "true/false")),
+    ("target:\n  revision: 5\n", ("'target.revision'", "expected str")),
+    ("head:\n  family: mtp\n  recursive: yes_please\n", ("c.yaml:3:", "'head.recursive'", "true/false")),
+    ("head:\n  ttt_length: 3.0\n", ("'head.ttt_length'", "expected int")),
+    # enums, unknown keys (with a close match), the head family
+    ("features:\n  mode: ofline\n", ("c.yaml:2:", "'features.mode'", "'ofline' is not one of")),
+    ("optim:\n  lrr: 1\n", ("c.yaml:2:", "unknown key 'optim.lrr'", "did you mean 'lr'?", "known in 'optim'")),
+    ("prompts:\n  domains:\n    - name: a\n      wieght: 2\n", ("c.yaml:4:", "'prompts.domains[0].wieght'", "'weight'")),
+    ("head:\n  family: eagle9\n", ("c.yaml:2:", "'head.family'", "unknown head family 'eagle9'")),
+    ("head: 3\n", ("'head'", "expected a mapping")),
+    ("1: 2\n", ("unknown key '1'",)),
+])
+def test_bad_value_is_one_line_naming_line_and_key(tmp_path: Path, text: str, needles: tuple[str, ...]) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    message = str(e.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_override_errors_name_the_command_line_and_yaml_12_floats(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("optim:\n  lr: 5e-4\n  min_lr_ratio: 0.5\nhead:\n  family: eagle1\n")
+    cfg = load_config(p, ["--head.noise=2e-1"])  # `5e-4` (no dot) is a float, in files and on the command line
+    assert cfg.optim.lr == 5e-4 and cfg.head.noise == pytest.approx(0.2)
+    with pytest.raises(ConfigError, match=r"^command line \(.*c\.yaml \+ overrides\): key 'optim\.lr': must be > 0"):
+        load_config(p, ["--optim.lr=-1"])
+    # a bad key that came from the file keeps its file line even when overrides are given
+    p.write_text("optim:\n  lr: 5e-4\n  min_lr_ratio: 2\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:3: key 'optim\.min_lr_ratio'"):
+        load_config(p, ["--optim.lr=1e-3"])
+
+
+def test_config_objects_stay_plain_dataclasses() -> None:
+    """Building a section in code checks nothing (data.target reports a bad dtype itself) and
+    dataclasses.replace works; only load_config validates."""
+    t = TargetConfig(dtype="fp8")
+    assert dataclasses.replace(t, device="cpu").dtype == "fp8"
+    assert type(load_config(None, ["--head.family=medusa"]).head).__module__ == "heads.medusa"
