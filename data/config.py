@@ -55,6 +55,9 @@ class TargetConfig:
     # `device` is then unused. Training refuses it (ZeRO-3 / FSDP shard the target there).
     device_map: str | None = None
     trust_remote_code: bool = False  # never set unless you trust the repository's code
+    # packed: CPU float32 inference (eval, prompts, regeneration) runs the linear layers on oneDNN-prepacked
+    # weights (data.packed: T(k) nearly flat in k); dense: torch's default kernels.
+    cpu_kernels: str = "packed"
 
 
 @dataclass
@@ -231,6 +234,7 @@ class RunConfig:
 # (section, key) -> allowed values; checked when a config is loaded, before anything heavy starts.
 ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
     ("target", "dtype"): ("float32", "bfloat16", "float16"),
+    ("target", "cpu_kernels"): ("packed", "dense"),
     ("data", "format"): ("auto", "sharegpt", "messages", "mtbench", "qa", "prompts", "hf"),
     ("features", "mode"): ("offline", "online"),
     ("features", "dtype"): ("bfloat16", "float16", "float32"),

@@ -281,7 +281,7 @@ def write_prompts(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> d
     if model is None or tokenizer is None:
         from data.target import load_model, load_tokenizer
 
-        model, tokenizer = load_model(cfg.target), load_tokenizer(cfg.target)
+        model, tokenizer = load_model(cfg.target, inference=True), load_tokenizer(cfg.target)
     template = cfg.data.chat_template
     heads = {d.name: user_turn_prefix(tokenizer, d.system, template) for d in pcfg.domains}
     end_of_turn = user_turn_prefix(tokenizer, None, template)[1]
