@@ -63,7 +63,7 @@ from eval.bench import bench_name, load_questions
 from eval.costs import calibrate, choose_k, ideal_speedup, measure_verify_cost
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
 from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter
-from eval.policy import AdaptivePolicy, measured_prior
+from eval.policy import AdaptivePolicy, LearnedVerifyCost, measured_prior
 from eval.report import write_report
 from eval.speedup import speedup_model
 from heads.base import Drafter, family_module, load_head, read_head_config
@@ -339,14 +339,16 @@ def evaluate(
     if drafter == "ngram":
         k_ng = k
 
+    learned = LearnedVerifyCost(verify)  # T(n) refined by every policy's timed passes, all run long
+
     def policy_for(name: str) -> AdaptivePolicy | None:
         """A fresh per-request policy for a method (None: fixed k); the n-gram baseline keeps its fixed k."""
         if cfg_eval.policy != "adaptive" or name in BASELINES and name != main:
             return None
         if name.endswith("+ngram"):
-            return AdaptivePolicy(verify, {"head": cal.draft_cost, "ngram": cal_ng.draft_cost},
+            return AdaptivePolicy(learned, {"head": cal.draft_cost, "ngram": cal_ng.draft_cost},
                                   {"head": measured_prior(cal.stats), "ngram": measured_prior(cal_ng.stats)})
-        return AdaptivePolicy(verify, {"draft": cal.draft_cost}, {"draft": measured_prior(cal.stats)})
+        return AdaptivePolicy(learned, {"draft": cal.draft_cost}, {"draft": measured_prior(cal.stats)})
 
     log(f"eval: target {target_cfg.name_or_path}, drafter {main}, k {k} "
         f"({'config' if cfg_eval.num_draft_tokens else 'chosen from measured costs and calibration'}), "
