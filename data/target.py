@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from data.cli import UserError, cli_main
 from data.config import TargetConfig
+from data.packed import pack_linears
 from heads.base import TargetIO, target_fingerprint
 
 CHATML_TEMPLATE = (
@@ -183,8 +184,12 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerFast:
         raise TargetLoadError(f"target.name_or_path '{name}': cannot load tokenizer ({_reason(e)})") from None
 
 
-def load_model(cfg: TargetConfig) -> nn.Module:
-    """The frozen target: eval mode, requires_grad False, on the configured device and dtype."""
+def load_model(cfg: TargetConfig, inference: bool = False) -> nn.Module:
+    """The frozen target: eval mode, requires_grad False, on the configured device and dtype.
+
+    inference: the caller only runs forwards (eval, prompt writing, regeneration, extraction), so with
+    `target.cpu_kernels: packed` the linear layers of a CPU float32 target get oneDNN-prepacked weights
+    (data.packed). Training never asks for it (ZeRO-3 partitions the weights it would pack)."""
     name = cfg.name_or_path
     dtype = _dtype(cfg.dtype)
     if name in TINY_NAMES:
@@ -232,6 +237,8 @@ def load_model(cfg: TargetConfig) -> nn.Module:
         model.to(resolve_device(cfg.device))
     model.eval()
     model.requires_grad_(False)
+    if inference and cfg.cpu_kernels == "packed":
+        pack_linears(model)
     return model
 
 
@@ -278,7 +285,7 @@ def target_io(model: nn.Module, name: str = "") -> TargetIO:
 
 def load_target(cfg: TargetConfig) -> tuple[nn.Module, PreTrainedTokenizerFast, TargetIO]:
     """Model, tokenizer and TargetIO in one call."""
-    model = load_model(cfg)
+    model = load_model(cfg, inference=True)
     tok = load_tokenizer(cfg)
     return model, tok, target_io(model, cfg.name_or_path)
 

@@ -175,14 +175,16 @@ class DraftPolicy(Protocol):
     choose(drafter, budget) -> {proposer: length}: this pass's draft length per proposer, each <= budget
         (0 = that proposer drafts nothing); the decoder passes the largest to drafter.draft (none > 0: a
         plain pass). A policy may set per-proposer caps on the drafter (HybridDrafter.budgets).
-    observe(tree, accepted): what the target accepted of the tree it verified.
+    observe(tree, accepted, seconds): what the target accepted of the tree it verified, and how long that
+        verify pass took (the root plus len(tree) tokens through the target, and the accept/reject step;
+        None when not timed).
     """
 
     def reset(self, k: int) -> None: ...
 
     def choose(self, drafter: Drafter, budget: int) -> dict[str, int]: ...
 
-    def observe(self, tree: DraftTree, accepted: list[int]) -> None: ...
+    def observe(self, tree: DraftTree, accepted: list[int], seconds: float | None = None) -> None: ...
 
 
 # ----------------------------------------------------------------------------------------------- sampling
@@ -388,7 +390,8 @@ def speculative_generate(
         accepted, nxt = verify_tree(tree, rows, temperature, generator)
         # The pass added the root (kept) and the n nodes (keep the accepted ones, packed after the root).
         kv.keep([0] + [a + 1 for a in accepted])
-        stats.verify_time_s += perf() - tv
+        verify_s = perf() - tv
+        stats.verify_time_s += verify_s
         # The level below the last accepted node (or the root) was tested iff that node has children.
         last = accepted[-1] if accepted else -1
         tested = len(accepted) + int(len(accepted) < n and bool((tree.parents == last).any()))
@@ -397,7 +400,7 @@ def speculative_generate(
             src = tree.sources[a] if tree.sources is not None else "draft"
             stats.accepted_by_source[src] = stats.accepted_by_source.get(src, 0) + 1
         if policy is not None:
-            policy.observe(tree, accepted)
+            policy.observe(tree, accepted, verify_s)
         draft_tokens = tree.tokens.tolist()
         new, done = _truncate_at_eos([draft_tokens[a] for a in accepted] + [nxt], eos)
         out.extend(new)

@@ -25,6 +25,15 @@ request that becomes predictable gets drafts again; while probes do not bring it
 (8, 16, 32, 64 passes), so a drafter that never helps costs little more than plain decoding. The prior is the calibration's acceptance, which is
 what the calibrated k was chosen from; reset's k is the first pass's length.
 
+The verify curve T(n) starts as eval.costs' probe (a few timed forwards on a synthetic context before the
+run) and learns from the run itself: every verify pass the decoder times is an observation of T(1 + nodes)
+at the request's real context, on the machine as loaded as it is now. Per n the estimate is
+    T(n) = (w_T * probe(n) + sum of decayed observations) / (w_T + decayed count)
+(each n's observations decay by `decay` per new one; w_T = `probe_weight`), refitted nondecreasing (isotonic)
+after each pass: eval.policy.LearnedVerifyCost, one per run shared by every request's policy (the machine,
+not the request, sets the cost). This keeps a probe taken
+in a quiet (or busy) moment from steering a whole run, and it follows the context growing during a request.
+
 Exactness does not depend on any of this: the policy only chooses what is drafted (tests/test_policy.py).
 """
 
@@ -40,7 +49,7 @@ from eval.decoder import GenerationStats
 from eval.speedup import extend_rates
 from heads.base import DraftTree
 
-__all__ = ["AdaptivePolicy", "isotonic", "measured_prior"]
+__all__ = ["AdaptivePolicy", "LearnedVerifyCost", "isotonic", "measured_prior"]
 
 MAX_PROBE_GAP_FACTOR = 8  # re-probes back off from probe_every to at most 8 * probe_every plain passes
 
@@ -79,19 +88,54 @@ def isotonic(verify: VerifyCost) -> VerifyCost:
     return VerifyCost(dict(zip(ns, fitted)), verify.context_len)
 
 
+class LearnedVerifyCost:
+    """T(n) from eval.costs' probe, refined by the run's own timed verify passes (see the module docstring).
+
+    One instance is shared by every request's policy in a run (the machine, not the request, sets the cost).
+    Calling it gives the isotonic fit of the blend; `version` changes whenever an observation arrives.
+    """
+
+    def __init__(self, probe: VerifyCost, probe_weight: float = 4.0, decay: float = 0.9):
+        if probe_weight <= 0 or not 0 < decay <= 1:
+            raise ValueError("LearnedVerifyCost: need probe_weight > 0 and 0 < decay <= 1")
+        self.probe, self.probe_weight, self.decay = probe, probe_weight, decay
+        self.timed: dict[int, list[float]] = {}  # n -> [decayed sum of seconds, decayed count]
+        self.version = 0
+        self._fit = isotonic(probe)
+
+    def observe(self, n: int, seconds: float) -> None:
+        """One timed verify pass over n tokens (the root included)."""
+        total, count = self.timed.get(n, (0.0, 0.0))
+        self.timed[n] = [self.decay * total + seconds, self.decay * count + 1.0]
+        self._fit = isotonic(self.estimate())
+        self.version += 1
+
+    def estimate(self) -> VerifyCost:
+        """The blend per n, before the nondecreasing fit: probe where nothing was timed."""
+        seconds = dict(self.probe.seconds)
+        for n, (total, count) in self.timed.items():
+            seconds[n] = (self.probe_weight * self.probe(n) + total) / (self.probe_weight + count)
+        return VerifyCost(seconds, self.probe.context_len)
+
+    def __call__(self, n: int) -> float:
+        return self._fit(n)
+
+
 class AdaptivePolicy:
     """eval.decoder.DraftPolicy choosing per-proposer draft lengths from measured costs and running acceptance."""
 
-    def __init__(self, verify: VerifyCost, costs: Mapping[str, DraftCost], prior: Mapping[str, Sequence[float]],
+    def __init__(self, verify: VerifyCost | LearnedVerifyCost, costs: Mapping[str, DraftCost], prior: Mapping[str, Sequence[float]],
                  k_max: int = 8, prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 8):
         if set(costs) != set(prior) or not prior:
             raise ValueError(f"AdaptivePolicy: costs {sorted(costs)} and prior {sorted(prior)} must name the same proposers")
         if k_max < 1 or prior_weight <= 0 or not 0 < decay <= 1 or probe_every < 1:
             raise ValueError("AdaptivePolicy: need k_max >= 1, prior_weight > 0, 0 < decay <= 1, probe_every >= 1")
-        self.verify, self.costs = isotonic(verify), dict(costs)
+        self.verify = verify if isinstance(verify, LearnedVerifyCost) else LearnedVerifyCost(verify)
+        self.costs = dict(costs)
         self.prior = {s: extend_rates(a, k_max) for s, a in prior.items()}
         self.k_max, self.weight, self.decay, self.probe_every = k_max, prior_weight, decay, probe_every
         self._t: dict[int, float] = {}
+        self._t_version = -1
         self.reset(0)
 
     def reset(self, k: int) -> None:
@@ -112,6 +156,8 @@ class AdaptivePolicy:
 
     def _verify(self, n: int) -> float:
         """T(n) of the isotonic fit, memoised (choose prices up to (k_max + 1)^2 candidates every pass)."""
+        if self._t_version != self.verify.version:
+            self._t, self._t_version = {}, self.verify.version
         t = self._t.get(n)
         if t is None:
             t = self._t[n] = self.verify(n)
@@ -203,8 +249,10 @@ class AdaptivePolicy:
             drafter.budgets = dict(choice)
         return choice
 
-    def observe(self, tree: DraftTree, accepted: list[int]) -> None:
+    def observe(self, tree: DraftTree, accepted: list[int], seconds: float | None = None) -> None:
         n = len(tree)
+        if seconds is not None:
+            self.verify.observe(n + 1, seconds)
         if n == 0:
             return
         tags = [t.split("+") for t in tree.sources] if tree.sources is not None else [["draft"]] * n

@@ -66,7 +66,7 @@ from eval.bench import Question, bench_name, load_questions
 from eval.costs import Calibration, VerifyCost, calibrate, choose_k, ideal_speedup, measure_verify_cost
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
 from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter
-from eval.policy import AdaptivePolicy, measured_prior
+from eval.policy import AdaptivePolicy, LearnedVerifyCost, measured_prior
 from eval.report import markdown, write_report
 from eval.speedup import speedup_model
 from eval.vllm_engine import ServeError, check_servable, served_sections  # imports vllm only when serving
@@ -298,9 +298,11 @@ class _Turns:
     served: _Served | None
     turn_index: int = 0  # turns run so far, over every temperature: who goes first rotates with it
     make_head: Callable[[], Drafter] = field(init=False)
+    learned: LearnedVerifyCost = field(init=False)  # T(n) refined by every policy's timed passes, all run long
 
     def __post_init__(self) -> None:
         self.make_head = self.subject.factory(self.costs.k)
+        self.learned = LearnedVerifyCost(self.costs.verify)
 
     def run(self, questions: dict[str, list[Question]]) -> list[tuple[str, _Tally]]:
         """(temperature key, tally) per eval.temperature, in order."""
@@ -367,9 +369,9 @@ class _Turns:
         if self.cfg.policy != "adaptive" or name in BASELINES and name != main:
             return None
         if name.endswith("+ngram"):
-            return AdaptivePolicy(c.verify, {"head": c.cal.draft_cost, "ngram": c.cal_ng.draft_cost},
+            return AdaptivePolicy(self.learned, {"head": c.cal.draft_cost, "ngram": c.cal_ng.draft_cost},
                                   {"head": measured_prior(c.cal.stats), "ngram": measured_prior(c.cal_ng.stats)})
-        return AdaptivePolicy(c.verify, {"draft": c.cal.draft_cost}, {"draft": measured_prior(c.cal.stats)})
+        return AdaptivePolicy(self.learned, {"draft": c.cal.draft_cost}, {"draft": measured_prior(c.cal.stats)})
 
 
 # ----------------------------------------------------------------------------------------------- stages

@@ -61,7 +61,7 @@ from eval.costs import (  # noqa: E402
 )
 from eval.decoder import GenerationStats, plain_generate, speculative_generate  # noqa: E402
 from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter, self_speculative_drafter  # noqa: E402
-from eval.policy import AdaptivePolicy, measured_prior  # noqa: E402
+from eval.policy import AdaptivePolicy, LearnedVerifyCost, measured_prior  # noqa: E402
 
 BUNDLED = ROOT / "data" / "bundled"
 
@@ -236,14 +236,15 @@ def main(argv: list[str] | None = None) -> dict:
         plans = {name: Plan(name, variants, ck, model, calib_prompts, verify, args, eos)
                  for name, (variants, ck) in tqdm(drafters.items(), desc="calibrating", leave=False)}
 
+        learned = LearnedVerifyCost(verify)  # T(n) refined by every adaptive row's timed passes
         for name, p in list(plans.items()):  # the same drafters under the adaptive policy
             plans[f"{name}_adaptive"] = p.adaptive(f"{name}_adaptive", lambda p=p: DeferredSync(p.make()), lambda p=p: AdaptivePolicy(
-                verify, {"draft": p.cal.draft_cost}, {"draft": measured_prior(p.cal.stats)}))
+                learned, {"draft": p.cal.draft_cost}, {"draft": measured_prior(p.cal.stats)}))
         if base is not None:
             b, ng = plans[base], plans["ngram"]
             plans[f"{base}+ngram"] = b.adaptive(
                 f"{base}+ngram", lambda: HybridDrafter(b.make(), ng.make()),
-                lambda: AdaptivePolicy(verify, {"head": b.cal.draft_cost, "ngram": ng.cal.draft_cost},
+                lambda: AdaptivePolicy(learned, {"head": b.cal.draft_cost, "ngram": ng.cal.draft_cost},
                                        {"head": measured_prior(b.cal.stats), "ngram": measured_prior(ng.cal.stats)}))
         plans = list(plans.values())
 

@@ -36,7 +36,7 @@ from data.target import target_io
 from eval.costs import DraftCost, VerifyCost
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
 from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter, NgramDrafter, layer_prefix_model
-from eval.policy import AdaptivePolicy, isotonic, measured_prior
+from eval.policy import AdaptivePolicy, LearnedVerifyCost, isotonic, measured_prior
 from heads import eagle, medusa, mtp
 from heads.base import DraftTree
 
@@ -69,7 +69,7 @@ class RandomPolicy:
             drafter.budgets = dict(choice)
         return choice
 
-    def observe(self, tree, accepted):
+    def observe(self, tree, accepted, seconds):
         pass
 
 
@@ -353,3 +353,32 @@ def test_hybrid_with_a_topk_tree_samples_exactly(vocab4_model):
                          lambda i: HybridDrafter(eagle.drafter(head, io, tree="dynamic", top_k=2, total_tokens=4)),
                          samples=400, make_policy=lambda i: RandomPolicy(i, p_zero=0.1))
     assert pv > 1e-3, f"chi-square p = {pv:.2e}"
+
+
+def test_timed_passes_teach_the_verify_curve():
+    probe = VerifyCost({1: 0.05, 2: 0.05, 4: 0.05, 8: 0.05}, 64)
+    learned = LearnedVerifyCost(probe, probe_weight=4.0, decay=1.0)
+    assert learned(3) == pytest.approx(0.05) and learned.version == 0
+    for _ in range(12):
+        learned.observe(4, 0.25)
+    assert learned.estimate().seconds[4] == pytest.approx((4 * 0.05 + 12 * 0.25) / 16)
+    assert learned(4) == learned(8) == pytest.approx((0.2 + 0.05) / 2)  # refitted nondecreasing: pooled with T(8)
+    assert learned(1) == pytest.approx(0.05) and learned.version == 12
+
+
+def test_policy_stops_drafting_when_its_timed_passes_are_slow():
+    # The probe says verifying is free, so a 0.6-accepted draft pays; the run's own passes say a 4-token pass
+    # costs five plain ones, which no acceptance below 1 repays. Two policies share the learner (as eval.run's
+    # requests do): what one request timed, the next one prices.
+    probe = VerifyCost({n: 0.05 for n in (1, 2, 3, 4, 5, 8)}, 64)
+    learned = LearnedVerifyCost(probe)
+    first = AdaptivePolicy(learned, {"draft": DraftCost(0.0, 0.0005)}, {"draft": [0.6] * 4})
+    first.reset(0)
+    assert first.choose(NgramDrafter(), 10)["draft"] >= 2
+    for _ in range(30):  # T(1 + k) = T(1) * (1 + 4k/3): T(4) = 5 T(1)
+        for n in range(1, 9):
+            first.observe(DraftTree.chain(torch.arange(n - 1)), [], 0.05 * (1 + 4 * (n - 1) / 3))
+    second = AdaptivePolicy(learned, {"draft": DraftCost(0.0, 0.0005)}, {"draft": [0.6] * 4})
+    second.reset(0)
+    assert second.choose(NgramDrafter(), 10)["draft"] == 0
+    assert first.choose(NgramDrafter(), 10)["draft"] == 0
