@@ -17,10 +17,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from procs import finish, kill_when, start
 
 from eval.vllm_engine import ServeError, agreement, check_servable, served_counts, wilson
 
@@ -70,18 +70,14 @@ def test_what_vllm_does_not_serve_is_refused_before_the_eval(family, drafter, tr
 
 
 # ----------------------------------------------------------------------------------------------- real vLLM
-def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
-    """Run in a new process group; on timeout kill the group (vLLM's engine processes too) and fail."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, **kw)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{' '.join(cmd[:4])} ... ran past {timeout} s")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out.decode(errors="replace"))
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run in a new process group, output merged; on timeout the group and every descendant (vLLM's engine
+    processes) are killed and TimeoutError names the command (tests/procs.py)."""
+    rc, out = finish(start(cmd, cwd=ROOT, env=ENV), timeout)
+    return subprocess.CompletedProcess(cmd, rc, out)
 
 
 @pytest.mark.vllm
@@ -93,16 +89,9 @@ def test_vllm_regeneration_killed_after_a_chunk_resumes_to_the_uninterrupted_fil
     flags = ["-m", "data.regenerate", f"--regenerate.prompts={prompts}", "--regenerate.num_prompts=null",
              "--regenerate.batch_size=2", "--regenerate.max_new_tokens=48", "--regenerate.engine=vllm"]
     killed = tmp_path / "killed" / "regenerated.jsonl"
-    proc = subprocess.Popen([sys.executable, *flags, "--out", str(killed.parent)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.time() + 600
-        while not (killed.is_file() and killed.read_bytes().count(b"\n") >= 2) and proc.poll() is None:
-            assert time.time() < deadline, "vLLM regeneration wrote nothing in 600 s"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the run and vLLM's engine processes
-        proc.wait()
+    # killed (with vLLM's engine processes) once two answers are on disk
+    proc = kill_when([sys.executable, *flags, "--out", str(killed.parent)],
+                     lambda: killed.is_file() and killed.read_bytes().count(b"\n") >= 2, timeout=600, cwd=ROOT, env=ENV)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert 2 <= killed.read_bytes().count(b"\n") < 8
     for out in (killed.parent, tmp_path / "whole"):
