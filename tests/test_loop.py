@@ -73,7 +73,7 @@ def test_stop_by_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, cach
     assert not (tmp_path / "b" / "final_params_digest.rank0.txt").exists()
     ckpt = tmp_path / "b" / "checkpoints" / "step-00000003"  # pickle-free, the scheduler's position included
     assert {p.suffix for p in ckpt.iterdir()} == {".json", ".safetensors"}
-    assert json.loads((ckpt / "scheduler.json").read_text())["last_epoch"] == 3
+    assert json.loads((ckpt / "progress.json").read_text())["scheduler"]["last_epoch"] == 3
     resumed = train(cfg_b, resume="auto")
     assert resumed["step"] == 6 and not resumed["stopped"]
     a = {r["step"]: r["loss"] for r in _rows(tmp_path / "a", "train")}

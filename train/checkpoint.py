@@ -8,10 +8,11 @@
 A checkpoint is the folder OUT/checkpoints/step-NNNNNNNN. A single-process or DDP run writes only JSON and
 safetensors, so nothing in it can execute on load: `state.safetensors` + `state.json` (head weights,
 AdamW state, grad scaler), `rng.rankR.safetensors` + `.json` (each rank's Python, numpy, torch and CUDA RNG
-states), `scheduler.json` (the lr scheduler's state_dict: its position). DeepSpeed and FSDP write their own
-(pickle) files through accelerator.save_state; resuming those needs `--trust-checkpoint`. progress.json is
-written last (atomically) and lists every other file's sha256, so a folder without a sound progress.json
-is unfinished. The data order needs no state: it is a pure function of the step (train/batches.py).
+states). DeepSpeed and FSDP write their own (pickle) files through accelerator.save_state; resuming those
+needs `--trust-checkpoint`. progress.json is written last (atomically): the step, the lr scheduler's
+state_dict (its position), the config, the target's record and every other file's sha256, so a folder
+without a sound progress.json is unfinished. The data order needs no state: it is a pure function of the
+step (train/batches.py).
 
 `--resume PATH|auto` reads progress.json, checks every checksum and refuses pickle files (unless trusted);
 `auto` takes the newest sound checkpoint, skipping a corrupt newest one with a warning. A changed config
@@ -238,7 +239,8 @@ def write_checkpoint(path: Path, accelerator: Any, model: nn.Module, optimizer: 
     """Write the checkpoint folder `path` on every rank (a collective), then rotate; returns `path`.
 
     `write_head()` writes OUT/head alongside (all ranks call it: gathering a sharded head is collective);
-    `record` (step, global batch, config, target, ...) goes into progress.json with the files' sha256."""
+    `record` (step, global batch, config, target, ...) goes into progress.json with the scheduler's state
+    and the files' sha256."""
     main_proc = accelerator.is_main_process
     if main_proc and (path / "progress.json").exists():
         (path / "progress.json").unlink()  # a rewrite: the folder is unfinished until progress.json
@@ -247,34 +249,29 @@ def write_checkpoint(path: Path, accelerator: Any, model: nn.Module, optimizer: 
         save_state(path, accelerator, model, optimizer, main_proc)
     else:
         accelerator.save_state(str(path))
-    if main_proc:
-        write_atomic(path / "scheduler.json", json.dumps(scheduler.state_dict()))
     write_head()
     accelerator.wait_for_everyone()
     if main_proc:
         files = {str(f.relative_to(path)): sha256_file(f) for f in sorted(path.rglob("*"))
                  if f.is_file() and f.name != "progress.json"}
         write_atomic(path / "progress.json", json.dumps(
-            {"format": CKPT_FORMAT if own_format(accelerator) else "accelerate", **record, "files": files}))
+            {"format": CKPT_FORMAT if own_format(accelerator) else "accelerate", **record,
+             "scheduler": scheduler.state_dict(), "files": files}))
         rotate_checkpoints(path.parent)
     accelerator.wait_for_everyone()
     return path
 
 
 # ----------------------------------------------------------------------------------------------- resuming
-def _scheduler_step(ckpt: Path, step: int) -> int:
-    """The scheduler position scheduler.json records (checked against progress.json's step); checkpoints
-    written before the scheduler was saved have none: the step is the position."""
-    path = ckpt / "scheduler.json"
-    if not path.is_file():
-        return step
-    try:
-        last = json.loads(path.read_text())["last_epoch"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise TrainError(f"{path}: unreadable scheduler state ({e})") from None
+def _scheduler_step(ckpt: Path, progress: dict) -> int:
+    """The scheduler position progress.json records, which must be its step; checkpoints written before
+    the scheduler was saved have none: the step is the position."""
+    step = int(progress["step"])
+    saved = progress.get("scheduler", {"last_epoch": step})
+    last = saved.get("last_epoch") if isinstance(saved, dict) else None
     if last != step:
-        raise TrainError(f"{path}: the scheduler is at step {last}, progress.json says {step}")
-    return last
+        raise TrainError(f"{ckpt / 'progress.json'}: the scheduler's position {last!r} is not the step {step}")
+    return step
 
 
 def restore(resume: Resume, accelerator: Any, model: nn.Module, optimizer: Any, plan: Plan, cfg: RunConfig) -> int:
@@ -293,7 +290,7 @@ def restore(resume: Resume, accelerator: Any, model: nn.Module, optimizer: Any, 
         load_state(ckpt, accelerator, model, optimizer)
     else:
         accelerator.load_state(str(ckpt))  # --trust-checkpoint: accelerate's own (pickle) files
-    start = _scheduler_step(ckpt, int(progress["step"]))
+    start = _scheduler_step(ckpt, progress)
     accelerator.step = start * plan.accum
     for group in optimizer.param_groups:
         group["weight_decay"] = cfg.optim.weight_decay

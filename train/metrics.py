@@ -119,7 +119,7 @@ class MetricsLog:
         ):
             print("wandb: no stored credentials, logging offline instead (wandb sync later)", file=sys.stderr)
             mode = "offline"
-        import wandb  # here, not at the top: a second of import time that runs with wandb disabled need not pay
+        import wandb  # here, not at the top: half a second of import time that runs with wandb disabled skip
 
         run_id = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
         self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.run_name or out.name,

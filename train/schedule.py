@@ -12,7 +12,7 @@ the peak lr twice, at s = W-1 and s = W, and reached the floor over T-W-1 cosine
 
 The scheduler steps once per optimizer step (never scaled by the process count: it is not passed through
 accelerator.prepare, whose wrapper would step it once per process). Its state is its step: a checkpoint
-stores `scheduler.state_dict()` as JSON, and a resume rebuilds the schedule from THIS run's config at the
+stores `scheduler.state_dict()` in its progress.json, and a resume rebuilds the schedule from THIS run's config at the
 saved step (transformers' `last_epoch`), so a changed optim.lr or train.max_steps applies from there on.
 """
 
