@@ -284,13 +284,13 @@ def restore(resume: Resume, accelerator: Any, model: nn.Module, optimizer: Any, 
     if progress.get("global_batch") != plan.global_batch:
         raise TrainError(f"{ckpt}: saved with a global batch of {progress.get('global_batch')} sequences, "
                          f"this run has {plan.global_batch}; set train.global_batch_size to resume it")
+    start = _scheduler_step(ckpt, progress)
     if progress.get("format") == CKPT_FORMAT:
         if not own_format(accelerator):
             raise TrainError(f"{ckpt}: written by a single-process/DDP run; DeepSpeed/FSDP cannot resume it")
         load_state(ckpt, accelerator, model, optimizer)
     else:
         accelerator.load_state(str(ckpt))  # --trust-checkpoint: accelerate's own (pickle) files
-    start = _scheduler_step(ckpt, progress)
     accelerator.step = start * plan.accum
     for group in optimizer.param_groups:
         group["weight_decay"] = cfg.optim.weight_decay
