@@ -30,10 +30,11 @@ import torch
 import data.extract
 import data.tokenize
 import eval.run
+import train.checkpoint
 import train.loop
 from data.config import load_config
 from data.extract import run as extract_run
-from train.loop import lr_factor
+from train.schedule import lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny-eagle.yaml")
@@ -322,7 +323,7 @@ def case_disk_full_at_checkpoint(tmp: Path, run: Path, store: dict, monkeypatch:
     def full(path: Path, *a: Any, **kw: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path / "state.safetensors"))
 
-    monkeypatch.setattr(train.loop, "save_state", full)
+    monkeypatch.setattr(train.checkpoint, "save_state", full)
     return Case(train_main, ["--config", TINY, "--out", str(tmp / "o"), *RUN_FLAGS],
                 ("state.safetensors", "No space left on device"))
 

@@ -163,7 +163,8 @@ def test_check_launch_names_what_accelerate_changed() -> None:
     """What `accelerate launch` asked for (its environment) against what accelerate chose."""
     from accelerate.utils import DistributedType as D
 
-    from train.loop import TrainError, check_launch
+    from train.errors import TrainError
+    from train.launch import check_launch
 
     ds, fsdp = {"ACCELERATE_USE_DEEPSPEED": "true"}, {"ACCELERATE_USE_FSDP": "true"}
     check_launch(D.NO, env={})  # plain single process

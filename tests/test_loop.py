@@ -6,14 +6,19 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 
 import pytest
+import torch
 
 from data.config import load_config
 from heads.base import load_head
-from train.loop import Plan, lr_factor, main, make_plan, simulated_tau, train
+from train.batches import Plan, make_plan, train_loader
+from train.loop import main, train
+from train.metrics import simulated_tau
+from train.schedule import lr_factor
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +49,9 @@ def test_tiny_run_leaves_a_loadable_head_and_metrics(tmp_path, cache_dir, tiny_t
     assert start["world_size"] == 1 and start["global_batch_size"] == 2 and end["step"] == 6
     assert [e["step"] for e in evals] == [0, 3, 6]
     assert len(_rows(out, "train")) == 6 and all(r["tokens_per_s"] > 0 for r in _rows(out, "train"))
+    cfg = load_config(config)  # the lr logged after step s is the one step s+1 runs with (the library schedule)
+    assert [r["lr"] for r in _rows(out, "train")] == pytest.approx(
+        [cfg.optim.lr * lr_factor(s, 2, 6, cfg.optim.min_lr_ratio) for s in range(1, 7)])
     # a few steps already beat the untrained head on held-out top-1 (the simulated tau follows)
     assert evals[-1]["eval/top1/0"] > evals[0]["eval/top1/0"]
     assert evals[-1]["eval/tau_sim"] == pytest.approx(res["eval"]["tau_sim"])
@@ -63,6 +71,9 @@ def test_stop_by_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, cach
     assert stopped["stopped"] and stopped["step"] == 3
     assert "stopped by signal; state saved to" in capsys.readouterr().out
     assert not (tmp_path / "b" / "final_params_digest.rank0.txt").exists()
+    ckpt = tmp_path / "b" / "checkpoints" / "step-00000003"  # pickle-free, the scheduler's position included
+    assert {p.suffix for p in ckpt.iterdir()} == {".json", ".safetensors"}
+    assert json.loads((ckpt / "progress.json").read_text())["scheduler"]["last_epoch"] == 3
     resumed = train(cfg_b, resume="auto")
     assert resumed["step"] == 6 and not resumed["stopped"]
     a = {r["step"]: r["loss"] for r in _rows(tmp_path / "a", "train")}
@@ -90,9 +101,39 @@ def test_plan_gives_one_and_two_processes_the_same_global_batches():
     assert small.global_batch == 2
 
 
+class _Samples:
+    """A stand-in FeatureSet: batch(indices) holds the indices themselves."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def batch(self, indices):
+        return {"idx": torch.tensor(indices), "attention_mask": torch.ones(len(indices), 3, dtype=torch.long)}
+
+
+def test_loader_yields_the_plan_from_any_step_and_leaves_the_global_rng_alone():
+    """The DataLoader's sampler starts at the resumed step (its position IS the step), and iterating it draws
+    nothing from the global torch RNG (EAGLE-1's input noise draws from it: a resume must see the same stream)."""
+    lengths = [5 + (i * 7) % 40 for i in range(37)]
+    plan = make_plan(load_config("configs/tiny-eagle.yaml", ["--train.global_batch_size=4", "--train.batch_size=2",
+                                                            "--train.max_steps=20"]), lengths, 2)
+    for rank in (0, 1):
+        want = [b for step in range(20) for b in plan.micro_batches(step, rank)]
+        for start in (0, 7):
+            torch.manual_seed(0)
+            rng = torch.get_rng_state()
+            got = [b["idx"].tolist() for b in train_loader(_Samples(lengths), plan, rank, start, torch.device("cpu"))]
+            assert torch.equal(torch.get_rng_state(), rng)
+            assert got == want[start * plan.accum:]
+
+
 def test_lr_schedule_and_simulated_tau():
     assert [lr_factor(s, 2, 10, 0.1) for s in (0, 1)] == [0.5, 1.0]
-    assert lr_factor(2, 2, 10, 0.1) == pytest.approx(1.0)
+    # transformers' cosine starts right after the last warmup step: 1/8 of its way at step 2
+    assert lr_factor(2, 2, 10, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 8)))
     assert lr_factor(9, 2, 10, 0.1) == pytest.approx(0.1)
     assert 0.1 < lr_factor(5, 2, 10, 0.1) < 1.0
     # tau_sim = 1 + a0 + a0*a1: 1 + 0.8 + 0.4

@@ -41,9 +41,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from torch import nn
+from transformers.integrations import unset_hf_deepspeed_config
 
 from data.config import ConfigError, RunConfig
+from data.target import TINY_NAMES, decoder_layers, final_norm, load_model, load_tokenizer, target_io
 from heads.base import TargetIO
 
 
@@ -79,8 +82,6 @@ def _full_numel(p: torch.Tensor) -> int:
 
 def layer_param_counts(model: nn.Module) -> tuple[int, int]:
     """(all elements, elements stored here) of the target's decoder-layer weights."""
-    from data.target import decoder_layers
-
     params = list(decoder_layers(model).parameters())
     return sum(_full_numel(p) for p in params), sum(_local_numel(p) for p in params)
 
@@ -93,8 +94,6 @@ def _whole_models(plugin: Any) -> Iterator[None]:
     transformers then builds every model partitioned (under zero.Init) when that config says stage 3,
     whatever `zero3_init_flag` says. Unset the registration for the block, restore it after.
     """
-    from transformers.integrations import unset_hf_deepspeed_config
-
     unset_hf_deepspeed_config()
     try:
         yield
@@ -104,9 +103,7 @@ def _whole_models(plugin: Any) -> Iterator[None]:
 
 def _replicated_io(model: nn.Module, name: str) -> TargetIO:
     """TargetIO whose pieces are whole, ordinary copies of a ZeRO-3 partitioned model's pieces."""
-    import deepspeed
-
-    from data.target import decoder_layers, final_norm, target_io
+    import deepspeed  # optional dependency (the deepspeed extra), needed by ZeRO-3 runs only
 
     base = model.get_decoder() if hasattr(model, "get_decoder") else model
     pieces = {"embed": model.get_input_embeddings(), "lm_head": model.get_output_embeddings(),
@@ -127,9 +124,8 @@ def shard_layers_fsdp(model: nn.Module) -> None:
     reshard_after_forward must be given: a layer that runs without a wrapped parent is its own FSDP root,
     and roots otherwise keep their gathered weights after the first forward (the whole target again).
     """
+    # torch.distributed.fsdp has fully_shard from torch 2.6 on (the project allows 2.4): FSDP runs only
     from torch.distributed.fsdp import fully_shard
-
-    from data.target import decoder_layers
 
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=True)
@@ -137,8 +133,6 @@ def shard_layers_fsdp(model: nn.Module) -> None:
 
 def load_frozen_target(cfg: RunConfig, accelerator: Any, online: bool) -> FrozenTarget:
     """Load cfg.target for training and place it as the table in the module docstring says."""
-    from data.target import TINY_NAMES, decoder_layers, load_model, load_tokenizer, target_io
-
     if cfg.target.device_map:
         # Heads call the embedding and lm_head on the training device; a device map would scatter them.
         raise ConfigError(f"target.device_map '{cfg.target.device_map}' is for extraction (python -m data.extract); "
@@ -148,7 +142,7 @@ def load_frozen_target(cfg: RunConfig, accelerator: Any, online: bool) -> Frozen
     zero3 = plugin is not None and int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)) == 3
     tok = load_tokenizer(tcfg)
     if zero3:
-        import deepspeed
+        import deepspeed  # optional dependency (the deepspeed extra), needed by ZeRO-3 runs only
 
         if tcfg.name_or_path in TINY_NAMES:
             with _whole_models(plugin):
@@ -169,8 +163,6 @@ def load_frozen_target(cfg: RunConfig, accelerator: Any, online: bool) -> Frozen
         layers = decoder_layers(model)
         del layers[: len(layers) - 1]  # io.last_layer still points at the last one
         return FrozenTarget(None, tok, io, "none", 0, 0)
-    from accelerate.utils import DistributedType
-
     if accelerator.distributed_type == DistributedType.FSDP:
         io = replace(io, last_layer=copy.deepcopy(io.last_layer))
         shard_layers_fsdp(model)

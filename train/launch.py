@@ -1,0 +1,84 @@
+"""The accelerate side of a training run: the Accelerator, the launch check, the plan's batch settings, teardown.
+
+    accelerator = make_accelerator(cfg)          # refuses a launch accelerate would run other than asked
+    apply_plan(accelerator, plan, cfg)           # before accelerator.prepare
+    teardown(accelerator)                        # at the end of the run, also after an error
+
+DDP / DeepSpeed ZeRO-2/3 / FSDP come from the accelerate config file; gloo on CPU; bf16 or fp32 from
+train.mixed_precision.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from transformers.integrations import unset_hf_deepspeed_config
+
+from data.config import RunConfig
+from train.batches import Plan
+from train.errors import TrainError
+
+
+def check_launch(dist: Any, env: dict[str, str] | None = None) -> None:
+    """Refuse a launch that accelerate would run other than asked, with no error of its own.
+
+    `accelerate launch` tells the processes what the config file asked for (ACCELERATE_USE_DEEPSPEED /
+    ACCELERATE_USE_FSDP); accelerate then silently picks something else on a CPU machine: plain CPU DDP
+    for DeepSpeed when ACCELERATE_USE_CPU=1 is set, CPU DDP or N unsynchronised copies for FSDP, and N
+    unsynchronised copies for ddp.yaml without ACCELERATE_USE_CPU=1.
+    """
+    env = os.environ if env is None else env
+    n = env.get("WORLD_SIZE", "1")
+    multi = int(n) > 1
+    if env.get("ACCELERATE_USE_DEEPSPEED") == "true" and dist != DistributedType.DEEPSPEED:
+        raise TrainError(f"the accelerate config asks for DeepSpeed, but accelerate runs {dist.value}: unset "
+                         f"ACCELERATE_USE_CPU (DeepSpeed runs on CPU without it)")
+    if env.get("ACCELERATE_USE_FSDP") == "true" and dist != DistributedType.FSDP:
+        raise TrainError(f"the accelerate config asks for FSDP, but accelerate runs {dist.value}: accelerate "
+                         f"enables FSDP on GPUs only; without GPUs use ddp.yaml (with ACCELERATE_USE_CPU=1) or a "
+                         f"DeepSpeed config")
+    if multi and dist == DistributedType.NO:
+        # accelerate started the processes but syncs nothing between them: each would train its own copy.
+        raise TrainError(f"{n} processes were started, but accelerate runs them unsynchronised (distributed type "
+                         f"NO). Without GPUs: ddp.yaml needs ACCELERATE_USE_CPU=1 in the environment, the DeepSpeed "
+                         f"configs work as they are, and fsdp.yaml cannot run (accelerate enables FSDP on GPUs only)")
+
+
+def make_accelerator(cfg: RunConfig) -> Accelerator:
+    """The run's Accelerator, after check_launch."""
+    # CPU process groups need gloo (DeepSpeed would otherwise ask for a GPU backend); a single process
+    # must get no backend at all, or accelerate expects a process group that nobody started.
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    kwargs = [InitProcessGroupKwargs(backend="gloo")] if multi and not torch.cuda.is_available() else []
+    accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, kwargs_handlers=kwargs)
+    check_launch(accelerator.distributed_type)
+    return accelerator
+
+
+def apply_plan(accelerator: Accelerator, plan: Plan, cfg: RunConfig) -> None:
+    """Accumulation for accelerate, and DeepSpeed's batch sizes (and `auto` clipping) from the plan."""
+    accelerator.gradient_accumulation_steps = plan.accum
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    ds_cfg = plugin.deepspeed_config
+    ds_cfg["train_micro_batch_size_per_gpu"] = plan.batch_size
+    ds_cfg["gradient_accumulation_steps"] = plan.accum
+    ds_cfg["train_batch_size"] = plan.global_batch
+    if ds_cfg.get("gradient_clipping") == "auto":
+        ds_cfg["gradient_clipping"] = cfg.optim.grad_clip
+
+
+def teardown(accelerator: Accelerator) -> None:
+    """Wait for every rank, destroy the process group, and stop telling transformers "DeepSpeed"."""
+    accelerator.wait_for_everyone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        # accelerate told transformers "DeepSpeed"; a later model load in this process (eval_at_end)
+        # must build an ordinary model.
+        unset_hf_deepspeed_config()
