@@ -40,15 +40,15 @@ class Mutant:
 
 MUTANTS: list[Mutant] = [
     # --- the rows of issue 14's table
-    Mutant("ttt_labels_at_t_plus_s", "heads/eagle.py",
+    Mutant("ttt_labels_at_t_plus_s", "heads/eagle/losses.py",
            "p_s, in_s, arg_s = shift_left(p, 1 + s), shift_left(in_vocab, 1 + s), shift_left(t_arg, 1 + s)",
            "p_s, in_s, arg_s = shift_left(p, s), shift_left(in_vocab, s), shift_left(t_arg, s)",
            ("tests/test_alignment.py",), quick=True),
-    Mutant("ttt_rope_not_advanced", "heads/eagle.py",
+    Mutant("ttt_rope_not_advanced", "heads/eagle/losses.py",
            "cos, sin = rotary(target, hidden, _positions(b, t, s, ids.device))",
            "cos, sin = rotary(target, hidden, _positions(b, t, 0, ids.device))",
            ("tests/test_alignment.py",)),
-    Mutant("eagle_chain_reports_untempered_q", "heads/eagle.py",
+    Mutant("eagle_chain_reports_untempered_q", "heads/eagle/drafting.py",
            "return int(torch.multinomial(q.cpu(), 1, generator=self.generator)), q",
            "return int(torch.multinomial(q.cpu(), 1, generator=self.generator)), torch.softmax(logits, dim=-1)",
            ("tests/test_sampling_drafters.py", "-k", "reported_q and eagle_chain"), quick=True),
@@ -109,7 +109,7 @@ MUTANTS: list[Mutant] = [
            "        _gather(self.cache.layers, self.length, rows)",
            "        pass",
            ("tests/test_decoder.py", "-k", "static and trees")),
-    Mutant("ttt_reads_features_not_own_output", "heads/eagle.py",
+    Mutant("ttt_reads_features_not_own_output", "heads/eagle/losses.py",
            "        hidden = o  # the next step reads this step's PRE-norm output",
            "        hidden = hidden",
            ("tests/test_alignment.py",)),

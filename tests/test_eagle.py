@@ -194,7 +194,7 @@ def test_commit_rolls_back_to_the_accepted_path(tiny_target):
     b = eagle.drafter(head, io)
     b.begin(ids[:, :8], feats.slice(0, 8), int(ids[0, 8]))
     assert a.n == b.n == 8
-    assert torch.allclose(a.cache_k, b.cache_k, atol=1e-5) and torch.allclose(a.last_logits, b.last_logits, atol=1e-4)
+    assert torch.allclose(a.cache.layers[0].keys, b.cache.layers[0].keys, atol=1e-5) and torch.allclose(a.last_logits, b.last_logits, atol=1e-4)
 
 
 def test_dynamic_tree_is_topological_and_ancestor_closed(tiny_target):
