@@ -207,9 +207,9 @@ class EagleDrafter:
     def _draft_dynamic(self, depth: int, temperature: float) -> DraftTree:
         pool = CandidatePool(min(self.top_k, self.last_logits.numel()), temperature)
         frontier = pool.add_children(self.last_logits, -1)
-        for d in range(2, depth + 1):
+        for _ in range(2, depth + 1):  # the children of depth 2 .. depth
             expand = pool.best(frontier)
-            logits = self._expand(pool, expand, d)
+            logits = self._expand(pool, expand)
             frontier = [c for r, i in enumerate(expand) for c in pool.add_children(logits[r], i)]
         chosen, parents = pool.select(self.total_tokens)
         tokens = self.head.to_target_ids(torch.tensor([pool.nodes[i].token for i in chosen], device=self.device))
@@ -221,14 +221,14 @@ class EagleDrafter:
         return DraftTree(tokens=tokens, parents=torch.tensor(parents, dtype=torch.long, device=self.device),
                          probs=probs, sampling="topk")
 
-    def _expand(self, pool: CandidatePool, expand: list[int], d: int) -> torch.Tensor:
-        """Run the draft rows of the nodes `expand` (the best of depth d-1) in one pass; returns their logits
-        [len(expand), head vocab], from which their children (depth d) are proposed."""
+    def _expand(self, pool: CandidatePool, expand: list[int]) -> torch.Tensor:
+        """Run the draft rows of the nodes `expand` (the best of one depth) in one pass; returns their logits
+        [len(expand), head vocab], from which their children are proposed."""
         nodes = [pool.nodes[i] for i in expand]
         m = len(nodes)
         toks = self.head.to_target_ids(torch.tensor([c.token for c in nodes], device=self.device))
         hidden = torch.cat([self.last_o if c.parent < 0 else pool.nodes[c.parent].out for c in nodes], dim=1)
-        pos = torch.tensor([self.n - 1 + d] * m)
+        pos = torch.tensor([self.n - 1 + c.depth for c in nodes])  # depth-d rows at n-1+d, as in a chain
         anc = torch.zeros(m, pool.rows, dtype=torch.bool)  # which earlier draft rows each new row sees
         for r, c in enumerate(nodes):
             if c.parent >= 0:
