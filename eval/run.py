@@ -83,29 +83,6 @@ class EvalError(UserError, ValueError):
     """Bad eval input (flags, head folder, benchmark); the CLI prints it on one line and exits 2."""
 
 
-# ----------------------------------------------------------------------------------------------- drafters
-def _head_drafter_factory(head: nn.Module, head_cfg: Any, io: Any, tree: str, k: int) -> Callable[[], Drafter]:
-    """A factory of fresh drafters for the head, with eval.tree mapped onto the family's own options.
-
-    tree: auto (the family's default), chain, static (Medusa's tree), dynamic (EAGLE-2).
-    """
-    family = head_cfg.family
-    mod = family_module(family)
-    kw: dict[str, Any] = {}
-    if tree != "auto":
-        if family in ("eagle1", "eagle3") and tree in ("chain", "dynamic"):
-            kw["tree"] = tree
-        elif family == "medusa" and tree == "chain":
-            kw["tree"] = [[0] * d for d in range(1, k + 1)]
-        elif family == "medusa" and tree == "static":
-            pass
-        elif family == "mtp" and tree == "chain":
-            pass
-        else:
-            raise EvalError(f"eval.tree '{tree}' is not available for a {family} head")
-    return lambda: mod.drafter(head, io, **kw)
-
-
 # ----------------------------------------------------------------------------------------------- costs
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32, 64)  # tokens per target pass measured for T(n)
 # k is tuned on prompts that are in no benchmark (GSM8K *train* questions), never on the test questions.
@@ -432,7 +409,8 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
     methods = [main] + ([name] if hybrid else []) + [b for b in baselines if b != main]
 
     def factory(k: int) -> Callable[[], Drafter]:
-        return NgramDrafter if drafter == "ngram" else _head_drafter_factory(head, head_cfg, io, tree, k)
+        # the family maps eval.tree onto its own options (HeadError, one line, for a tree it does not have)
+        return NgramDrafter if drafter == "ngram" else family_module(head_cfg.family).drafter_factory(head, io, tree, k)
 
     target = _Target(model, tok, io, device, eos_ids(model, tok))
     return target, _Subject(drafter, head_cfg, main, methods, factory)

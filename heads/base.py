@@ -1,39 +1,51 @@
-"""The head interface every drafter family implements, the family registry, and the head folder format.
+"""The family registry, the head config base, and the head folder format (save, read, check, load).
 
-A family is a module in `heads/` (`eagle.py`, `medusa.py`, `mtp.py`) that provides:
+A family is a module (or package) in `heads/` (`eagle/`, `medusa.py`, `mtp.py`) that provides:
 
     CONFIGS: dict[str, type[HeadConfig]]          family name -> its config dataclass
     feature_layers(cfg, target_config) -> list[int]   hidden_states indices the head needs as `aux`
     build(cfg, target: TargetIO) -> nn.Module         a fresh head (frozen target parts are NOT inside it)
     loss(head, batch, target: TargetIO) -> (loss, metrics)   metrics has per-position top-1 (`top1/0`, ...)
-    drafter(head, target: TargetIO, **kw) -> Drafter  the decoder adapter (see `Drafter` below)
+    drafter(head, target: TargetIO, **kw) -> Drafter  the decoder adapter (see heads.types.Drafter)
+    drafter_factory(head, target, tree="auto", k=4) -> () -> Drafter   eval.tree mapped onto drafter's options
+    prepare(cfg, dataset, target) -> dict[str, Tensor]   optional: data-derived initial tensors
 
 A head folder is what `save_head` writes and `load_head` reads (`config.json` + `model.safetensors`);
 `load_head` refuses a folder whose target (hidden size, vocab, layers, fingerprint) does not match, whose
 weights differ from the sha256 config.json records, or hold NaN/inf (HeadError, one line at the CLI).
 
-Feature convention (shared with data.features, the store and the decoder): `aux` is the concatenation, in
-ascending order, of transformers' `hidden_states[i]` for the requested indices i (index 0 is the embedding
-output, index i the INPUT of decoder layer i = the output of layer i-1); `last` is the target's final
-hidden state after its final norm (what the target's lm_head reads).
+The shared types (Features, TargetIO, DraftTree, Drafter, target_record, target_fingerprint) live in
+heads.types, the drafters' KV cache helpers (cache_kwarg) in heads.cache, shift_targets in heads.align; this
+module re-exports them so `from heads.base import X` keeps working.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import importlib
-import inspect
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from heads.align import shift_targets
+from heads.cache import cache_kwarg
+from heads.types import Drafter, DraftTree, Features, TargetIO, target_fingerprint, target_record
+
+__all__ = [
+    # re-exported from heads.types, heads.cache and heads.align (importers across the repo use heads.base)
+    "DraftTree", "Drafter", "Features", "TargetIO", "cache_kwarg", "shift_targets", "target_fingerprint",
+    "target_record",
+    # defined here
+    "FAMILIES", "FORMAT_VERSION", "HeadConfig", "HeadError", "HeadMismatchError", "check_eval_tree", "check_finite",
+    "check_target", "family_module", "load_head", "read_head_config", "save_head", "sha256_file",
+]
 
 FORMAT_VERSION = 1
 
@@ -47,7 +59,8 @@ FAMILIES: dict[str, str] = {
 
 
 class HeadError(ValueError):
-    """A head folder is unusable (unreadable, truncated, tampered, non-finite); the message names the file.
+    """A head folder is unusable (unreadable, truncated, tampered, non-finite; the message names the file),
+    or a head cannot draft as asked (an eval.tree its family has not).
 
     data.cli.cli_main reports it (and every subclass) as one line with exit code 2."""
 
@@ -60,6 +73,12 @@ def family_module(family: str) -> Any:
     if family not in FAMILIES:
         raise ValueError(f"unknown head family '{family}' (known: {', '.join(sorted(FAMILIES))})")
     return importlib.import_module(FAMILIES[family])
+
+
+def check_eval_tree(tree: str, family: str, available: tuple[str, ...]) -> None:
+    """Refuse an eval.tree value the family's drafter_factory cannot map ("auto", the default, always maps)."""
+    if tree != "auto" and tree not in available:
+        raise HeadError(f"eval.tree '{tree}' is not available for a {family} head")
 
 
 @dataclass
@@ -76,191 +95,7 @@ class HeadConfig:
         return family_module(family).CONFIGS[family]
 
 
-# ----------------------------------------------------------------------------------------------- features
-@dataclass
-class Features:
-    """Target features for a batch: aux [B, T, n*H] (may be None when no layer is asked), last [B, T, H]."""
-
-    last: torch.Tensor
-    aux: torch.Tensor | None = None
-
-    def slice(self, start: int, stop: int) -> Features:
-        """Positions [start, stop) along the time axis."""
-        return Features(
-            last=self.last[:, start:stop], aux=None if self.aux is None else self.aux[:, start:stop]
-        )
-
-    def index(self, idx: torch.Tensor) -> Features:
-        """Positions `idx` (1-D long tensor) along the time axis, in that order."""
-        return Features(last=self.last[:, idx], aux=None if self.aux is None else self.aux[:, idx])
-
-
-@dataclass
-class TargetIO:
-    """The frozen pieces of the target a head trains and drafts with (never saved inside the head)."""
-
-    config: Any  # the target's transformers PretrainedConfig (the text config for multimodal models)
-    embed: nn.Module  # token ids -> input embeddings, scaled as the target scales them
-    lm_head: nn.Module  # final hidden -> logits over the target vocab
-    norm: nn.Module | None = None  # the target's final norm
-    last_layer: nn.Module | None = None  # the target's last decoder layer (template for MTP blocks)
-    rotary: nn.Module | None = None  # the target's rotary embedding module (cos, sin = rotary(x, pos))
-    name: str = ""
-    fingerprint: str = ""
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config.hidden_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
-
-    def record(self) -> dict[str, Any]:
-        """This target's identity record (see target_record), without re-hashing the weights."""
-        return _identity(self.config, self.name, self.fingerprint)
-
-
-def _identity(config: Any, name: str, fingerprint: str) -> dict[str, Any]:
-    return {"name_or_path": name, "fingerprint": fingerprint, "model_type": getattr(config, "model_type", None),
-            "hidden_size": int(config.hidden_size), "num_hidden_layers": int(config.num_hidden_layers),
-            "vocab_size": int(config.vocab_size)}
-
-
-def target_record(config: Any, embed_weight: torch.Tensor, name: str) -> dict[str, Any]:
-    """The ONE target identity (TargetInfo) that head folders, store manifests and checkpoints record and
-    check_target compares: name, fingerprint of the weights, model type, hidden size, layers, vocab."""
-    return _identity(config, name, target_fingerprint(config, embed_weight))
-
-
-def cache_kwarg(module: nn.Module) -> str:
-    """The name of a model's or decoder layer's cache argument: `cache` (transformers >= 5.2x) or
-    `past_key_values` (5.17, which takes **kwargs and silently ignores `cache=`: no cache would be used)."""
-    return _cache_kwarg_of(type(module))
-
-
-@functools.cache
-def _cache_kwarg_of(cls: type) -> str:  # per class: drafters ask once per draft step
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
-
-
-def target_fingerprint(config: Any, embed_weight: torch.Tensor) -> str:
-    """A short id of a target: architecture fields plus a checksum of the first embedding rows.
-
-    Cheap to compute (no full weight hash) yet differs between models of the same shape.
-    """
-    fields = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
-    rows = embed_weight.detach()[:64].float().cpu().contiguous()
-    h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
-    h.update(rows.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def shift_targets(input_ids: torch.Tensor, valid: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The token `shift` positions ahead of each position, and whether it may be learnt.
-
-    Returns (ids [B,T] long, mask [B,T] bool): ids[t] = input_ids[t+shift] and mask[t] = valid[t+shift],
-    padded at the end where t+shift runs past the sequence (id 0, mask 0). `valid` should already combine
-    loss_mask and attention_mask: position t+shift must be a learnable, real token. Medusa head i uses
-    shift 2+i; MTP step k embeds x[t+k] (shift k) and predicts x[t+1+k] (shift 1+k).
-    Worked example, shift 2 with tokens [A0 A1 A2 A3] all valid: ids [A2 A3 pad pad], mask [1 1 0 0];
-    shift 1: [A1 A2 A3 pad]. Raises ValueError for shift < 1 (a head never predicts its own or an
-    earlier token).
-    """
-    if shift < 1:
-        raise ValueError(f"shift must be >= 1 (token t+shift read at position t), got {shift}")
-    ids = torch.zeros_like(input_ids)
-    mask = torch.zeros(valid.shape, dtype=torch.bool, device=valid.device)
-    if shift < input_ids.shape[1]:
-        ids[:, :-shift] = input_ids[:, shift:]
-        mask[:, :-shift] = valid[:, shift:].bool()
-    return ids, mask
-
-
-# ----------------------------------------------------------------------------------------------- drafting
-@dataclass
-class DraftTree:
-    """Draft tokens as a tree hanging below the root (the last committed token, not yet seen by the target).
-
-    tokens  [N] long: the drafted token of each node, nodes in topological order (parents first).
-    parents [N] long: index of each node's parent node, -1 for children of the root.
-    probs   [N, V] float or None: the drafter's distribution q each node was drawn from (the distribution
-            at its parent, over the TARGET vocab). None means deterministic drafts (q one-hot on the token).
-    sampling: how siblings were drawn when probs is given: "iid" (each child an independent sample of q,
-            SpecInfer) or "topk" (distinct top-k children, EAGLE): the verifier treats them differently.
-    sources [N] str or None: which proposer each node came from ("head", "ngram", "head+ngram" for a node
-            both proposed; eval.drafters.HybridDrafter); None = the drafter itself. Only statistics and
-            the decoder's policy read it, never the verifier.
-    A chain of k tokens is tokens [k], parents [-1, 0, 1, ..., k-2].
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    probs: torch.Tensor | None = None
-    sampling: str = "iid"
-    sources: list[str] | None = None
-
-    @staticmethod
-    def chain(tokens: torch.Tensor, probs: torch.Tensor | None = None) -> DraftTree:
-        n = tokens.numel()
-        return DraftTree(tokens.reshape(-1), torch.arange(-1, n - 1, device=tokens.device), probs)
-
-    def __len__(self) -> int:
-        return int(self.tokens.numel())
-
-
-class Drafter(Protocol):
-    """What the speculative decoder (eval.decoder) asks of any drafter.
-
-    Timeline for one generation (batch 1). Positions are absolute token indices.
-      begin(prompt_ids, features, next_token): the target has run over prompt_ids (length n) and
-          produced features for positions 0..n-1 (None if capture_layers is None); next_token (position n)
-          was sampled from its last distribution and is the root of the first draft.
-      draft(k, temperature) -> DraftTree: propose up to k tokens (chain length or tree depth).
-      commit(accepted, features, next_token): the target verified the tree; `accepted` are the node
-          indices on the accepted path (possibly empty); `features` has len(accepted)+1 positions: the
-          root's and each accepted node's, in path order; next_token is the corrected or bonus token,
-          the new root. The drafter must roll its own state (caches) back to the accepted path.
-      commit_tokens(tokens, features, next_token): the same with the accepted path given by its TOKENS,
-          which need not be a path of this drafter's last draft (or there was no draft at all). The
-          hybrid drafter (eval.drafters.HybridDrafter) uses it when the accepted path left this drafter's
-          own nodes for another proposer's. Every drafter in this project implements it; the decoder alone
-          only ever calls commit.
-    """
-
-    # hidden_states indices the drafter needs from every target pass (`aux`); None = no features at all,
-    # () = only `last`.
-    capture_layers: tuple[int, ...] | None
-
-    def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None: ...
-
-    def draft(self, k: int, temperature: float) -> DraftTree: ...
-
-    def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None: ...
-
-    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None: ...
-
-
 # ----------------------------------------------------------------------------------------------- folders
-@dataclass
-class HeadMeta:
-    """What config.json records next to the head's own config."""
-
-    family: str
-    target_name: str
-    target_fingerprint: str
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
-    layer_ids: list[int] = field(default_factory=list)
-    dtype: str = "float32"
-    extra: dict = field(default_factory=dict)  # training data, steps, etc.
-
-
 def sha256_file(path: str | Path, chunk: int = 1 << 23) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

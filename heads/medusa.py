@@ -12,11 +12,13 @@ the exporter only adds a prefix: `blocks.{i}.layers.{j}.weight` / `.bias` ([H, H
 `blocks.{i}.layers.{j}.*` -> `{i}.{j}.linear.*` and `lm_heads.{i}.weight` -> `{i}.{num_layers}.weight`.
 
 Training: `python train/medusa.py --config configs/tiny-medusa.yaml --out runs/medusa-tiny`.
-Drafting: `MedusaDrafter` proposes a static tree (a Medusa choices list) verified by eval.decoder.
+Drafting: `MedusaDrafter` proposes a static tree (a Medusa choices list) verified by eval.decoder;
+`drafter_factory` maps eval.tree onto it (auto/static: the configured tree, chain: the rank-0 path).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import DraftTree, Features, HeadConfig, TargetIO, shift_targets
+from heads.align import shift_targets
+from heads.base import HeadConfig, check_eval_tree
 from heads.tree import DEFAULT_CHOICES, StaticTree
+from heads.types import DraftTree, Features, TargetIO
 
 
 @dataclass
@@ -40,6 +44,7 @@ class MedusaConfig(HeadConfig):
 
 
 CONFIGS = {"medusa": MedusaConfig}
+
 
 class MedusaHead(nn.Module):
     """`num_heads` heads of `num_layers` residual SiLU blocks and a vocabulary projection each."""
@@ -188,3 +193,11 @@ class MedusaDrafter:
 def drafter(head: MedusaHead, target: TargetIO, tree: list[list[int]] | None = None) -> MedusaDrafter:
     """The decoder adapter (static tree; `tree` overrides the head's configured choices)."""
     return MedusaDrafter(head, target, tree=tree)
+
+
+def drafter_factory(head: MedusaHead, target: TargetIO, tree: str = "auto", k: int = 4) -> Callable[[], MedusaDrafter]:
+    """Fresh drafters for eval.tree: auto or static (the head's configured tree), chain (the rank-0 path of
+    depth `k`: choices [[0], [0, 0], ...]). Any other tree raises HeadError."""
+    check_eval_tree(tree, head.cfg.family, ("chain", "static"))
+    kw: dict[str, Any] = {"tree": [[0] * d for d in range(1, k + 1)]} if tree == "chain" else {}
+    return lambda: drafter(head, target, **kw)

@@ -21,21 +21,27 @@ Parameter names (per module k): `mtp.{k}.enorm.weight`, `mtp.{k}.hnorm.weight`, 
 Norms use the target's norm class (Gemma's RMSNorm stores w for a (1 + w) scale).
 
 Training: `python train/mtp.py --config configs/tiny-mtp.yaml --out runs/mtp-tiny`.
-Drafting: `MTPDrafter` proposes a chain, one token per step, keeping one KV cache per step.
+Drafting: `MTPDrafter` proposes a chain, one token per step, keeping one KV cache per step (transformers'
+DynamicCache, see heads.cache); `drafter_factory` maps eval.tree onto it (auto or chain).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
 
-from heads.base import DraftTree, Features, HeadConfig, TargetIO, cache_kwarg, shift_targets
+from heads.align import shift_targets
+from heads.base import HeadConfig, check_eval_tree
+from heads.cache import cache_kwarg, cache_length, crop_to
+from heads.types import DraftTree, Features, TargetIO
 
 
 @dataclass
@@ -66,34 +72,6 @@ def step_weights(cfg: MTPConfig) -> list[float]:
     return list(cfg.step_weights)
 
 
-class KVCache:
-    """Keys and values of one block over its committed positions; quacks like a transformers Cache.
-
-    The attention modules call `update(k, v, layer_idx, ...)` and attend over what it returns. Each MTP
-    step owns one such cache (one layer), so `layer_idx` is ignored.
-    """
-
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[-2])
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=-2)
-            self.values = torch.cat([self.values, values], dim=-2)
-        return self.keys, self.values
-
-    def crop(self, length: int) -> None:
-        """Keep the first `length` positions."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
-
-
 def causal_mask(q_pos: torch.Tensor, k_len: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask [1, 1, q, k]: query at absolute position q_pos[i] sees keys 0..q_pos[i] (and, for a
     sliding-window layer, only the last `window` of them, as transformers' sliding masks do)."""
@@ -118,7 +96,7 @@ class MTPModule(nn.Module):
         h: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: DynamicCache | None = None,
     ) -> torch.Tensor:
         """o = block(eh_proj(cat(enorm(emb), hnorm(h)))) over [B, T, H] inputs (T new positions)."""
         u = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
@@ -283,7 +261,7 @@ class MTPDrafter:
         self.dtype = head.mtp[0].eh_proj.weight.dtype
         self.tokens: list[int] = []
         self.hidden = torch.empty(0)
-        self.caches: list[KVCache] = []
+        self.caches: list[DynamicCache] = []  # one per step: its committed positions (heads.cache)
         self.outs: list[torch.Tensor] = []
         self.drafted: list[int] = []
 
@@ -307,9 +285,10 @@ class MTPDrafter:
         prev = self.hidden  # h for step 1: the target's, positions 0..n-1
         for s in range(1, steps + 1):
             if len(self.caches) < s:
-                self.caches.append(KVCache())
+                self.caches.append(DynamicCache())
                 self.outs.append(self.hidden.new_zeros((0, self.hidden.shape[-1])))
-            cache, start = self.caches[s - 1], len(self.caches[s - 1])
+            cache = self.caches[s - 1]
+            start = cache_length(cache)
             pos = torch.arange(start, n, device=device)
             ids = torch.tensor([seq[p + s] for p in range(start, n)], device=device)[None]
             emb = embed(self.target, ids, pos, self.dtype)
@@ -329,7 +308,7 @@ class MTPDrafter:
             seq.append(tok)
             # Keep only positions whose inputs are all committed (p <= n-s) for the next draft.
             keep = max(0, n - s + 1)
-            cache.crop(keep)
+            crop_to(cache, keep)
             self.outs[s - 1] = full[:keep]
             prev = full
         self.drafted = tokens
@@ -356,3 +335,10 @@ def drafter(
 ) -> MTPDrafter:
     """The decoder adapter (chain drafting; sampled drafts use `generator`, the drafter's own)."""
     return MTPDrafter(head, target, max_steps=max_steps, generator=generator)
+
+
+def drafter_factory(head: MTPHead, target: TargetIO, tree: str = "auto", k: int = 4) -> Callable[[], MTPDrafter]:
+    """Fresh drafters for eval.tree: auto or chain (an MTP drafter only drafts chains); `k` is unused (the
+    depth comes with each draft call). Any other tree raises HeadError."""
+    check_eval_tree(tree, head.cfg.family, ("chain",))
+    return lambda: drafter(head, target)

@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import torch
 
-from heads.base import DraftTree
+from heads.types import DraftTree
 
 # A small default static tree (15 nodes, depth 5): wide near the root where candidates disagree most,
 # a single spine deeper down where only the best path is worth a verify slot on a CPU.

@@ -194,7 +194,7 @@ def test_commit_rolls_back_to_the_accepted_path(tiny_target):
     b = eagle.drafter(head, io)
     b.begin(ids[:, :8], feats.slice(0, 8), int(ids[0, 8]))
     assert a.n == b.n == 8
-    assert torch.allclose(a.cache_k, b.cache_k, atol=1e-5) and torch.allclose(a.last_logits, b.last_logits, atol=1e-4)
+    assert torch.allclose(a.cache.layers[0].keys, b.cache.layers[0].keys, atol=1e-5) and torch.allclose(a.last_logits, b.last_logits, atol=1e-4)
 
 
 def test_dynamic_tree_is_topological_and_ancestor_closed(tiny_target):
@@ -212,6 +212,29 @@ def test_dynamic_tree_is_topological_and_ancestor_closed(tiny_target):
     sampled = d.draft(4, 0.7)
     assert sampled.probs.shape == (10, io.vocab_size)
     assert torch.allclose(sampled.probs.sum(-1), torch.ones(10), atol=1e-5)
+
+
+def test_dynamic_tree_of_one_child_per_node_is_the_chain_row_for_row(tiny_target):
+    """top_k = 1 makes the EAGLE-2 tree a chain: every draft row must see the same token, hidden input, keys
+    and RoPE position as the chain drafter's (depth-d node at position n-1+d), so the logits agree."""
+    model, _, io = tiny_target
+    _, head = _eagle3(io)
+    head.eval()
+    ids = torch.randint(0, io.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    feats, _ = forward_features(model, ids, None, head.layer_ids)
+    logits = {}
+    for tree in ("chain", "dynamic"):
+        d = eagle.drafter(head, io, tree=tree, top_k=1, total_tokens=5)
+        d.begin(ids, feats, 7)
+        logits[tree] = []
+        hook = head.lm_head.register_forward_hook(lambda mod, inp, out, t=tree: logits[t].append(out.reshape(-1)))
+        drafted = d.draft(5, 0.0)
+        hook.remove()
+        logits[tree].insert(0, d.last_logits)
+        assert drafted.parents.tolist() == [-1, 0, 1, 2, 3], tree
+    assert len(logits["chain"]) == len(logits["dynamic"]) == 5
+    for depth, (a, b) in enumerate(zip(logits["chain"], logits["dynamic"]), start=1):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m, d=depth: f"depth {d}: {m}")
 
 
 @pytest.mark.parametrize("tree", ["chain", "dynamic"])

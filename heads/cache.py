@@ -1,0 +1,53 @@
+"""The one KV cache every drafter in heads/ keeps: transformers' `DynamicCache`, plus the two version shims it needs.
+
+    cache = DynamicCache()               # built without a config: every layer a full DynamicLayer
+    keys, values = cache.update(k, v, 0) # append rows (the EAGLE drafter's re-implemented layer calls this)
+    block(x, **{cache_kwarg(block): cache})   # a transformers decoder layer appends to it itself (MTP)
+    cache_length(cache)                  # rows held (by the filled layer, whatever its index)
+    crop_to(cache, n)                    # keep the first n rows of every layer: drop draft rows after a draft
+
+Why these shims: transformers renamed the forward argument `past_key_values` to `cache` between 5.17 (the GPU
+image) and 5.24 (pinned here), and silently ignores the wrong name; and `crop(n)` with n > 0 was a target LENGTH in
+older releases (5.24 calls it the legacy path and refuses it), while crop(-r) removes r rows in every version:
+`crop_to` therefore only ever removes a positive number of rows, layer by layer, and leaves unfilled layers alone
+(a copied target block appends at its own layer index, so its cache holds empty layers below that index).
+
+The drafters build `DynamicCache()` themselves (EAGLE: one for the head's layer; MTP: one per step). Built
+without a config, no layer is a sliding-window layer: sliding-window blocks get their window from the
+attention mask the drafter passes, never from the cache, so every row stays until the drafter crops it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:  # heads.base re-exports cache_kwarg, and config parsing imports heads.base: no transformers here
+    from transformers import DynamicCache
+
+
+def cache_length(cache: DynamicCache) -> int:
+    """Rows the cache holds: the longest layer (the one a single-layer drafter fills)."""
+    return max((layer.get_seq_length() for layer in cache.layers), default=0)
+
+
+def crop_to(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` rows of every layer (a layer holding no more is left as it is)."""
+    for layer in cache.layers:
+        remove = layer.get_seq_length() - length
+        if remove > 0:
+            layer.crop(-remove)
+
+
+def cache_kwarg(module: nn.Module) -> str:
+    """The name of a model's or decoder layer's cache argument: `cache` (transformers >= 5.2x) or
+    `past_key_values` (5.17, which takes **kwargs and silently ignores `cache=`: no cache would be used)."""
+    return _cache_kwarg_of(type(module))
+
+
+@functools.cache
+def _cache_kwarg_of(cls: type) -> str:  # per class: drafters ask once per draft step
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"

@@ -1,0 +1,82 @@
+"""EAGLE heads: EAGLE-1 (feature regression) and EAGLE-3 (fused low/mid/high features, training-time test).
+
+Both heads are one Llama-style decoder layer sized like the target (attention heads, KV heads, head_dim,
+MLP width and activation, RMSNorm eps; RoPE from the target's own rotary module), trained on frozen target
+features, with the target's embedding (and, for EAGLE-1, its lm_head) used but never stored in the head.
+The functions computed are the ones in the project's format notes (SGLang/vLLM `LlamaForCausalLMEagle3`
+and SafeAILab `cnets1`):
+
+EAGLE-1 (`Eagle1Head`, parameters `fc`, `layers.0.*`):
+    h = fc(cat(emb(x_{t+1}), f_t))                   f_t = target last hidden AFTER its final norm; fc has a bias
+    y = h + o_proj(attn(h));  o = y + mlp(post_attention_layernorm(y))      (no input_layernorm, no final norm)
+    o predicts f_{t+1}; logits = target.lm_head(o) predict x_{t+2}
+    loss = 1.0 * SmoothL1(o, f_{t+1}) + 0.1 * CE(softmax(target.lm_head(f_{t+1})), log_softmax(target.lm_head(o)))
+    with U(-noise/2, noise/2) added to f_t during training (the EAGLE paper's U(-0.1, 0.1) at noise 0.2).
+
+EAGLE-3 (`Eagle3Head`, parameters named like SGLang's layout: `fc`, `midlayer.*`, `norm`, `lm_head`, buffers
+`d2t`, `t2d`):
+    g = fc(A_t)   A_t = cat(hidden_states[i] for the layer ids), ascending; no bias; step 0 only
+    u = cat(input_layernorm(emb(x)), hidden_norm(g));   y = g + o_proj(attn(u));   o = y + mlp(post_ln(y))
+    logits_draft = lm_head(norm(o)) over the draft vocab; target_id = draft_id + d2t[draft_id]
+    next step's hidden = o (PRE-norm)
+  Training-time test, step s at index t (s = 0 .. ttt_length-1), see `step_alignment` for a worked example:
+    token x_{t+1+s}, hidden fc(A_t) at s = 0 else o^{s-1}_t, RoPE position t+s,
+    keys: step-0 keys at t' <= t (causal) plus the keys of steps 1..s at the same index t (`ttt_attention`),
+    target: draft-vocab softmax of the target's logits at t+1+s (they predict x_{t+2+s}),
+    mask: loss_mask[t+2+s] (the project convention: predicting token j uses loss_mask[j]; SpecForge's
+    `loss_mask[t+s]` is the same rule under its own, shifted, mask) times t2d[argmax of those logits],
+    loss_s = -sum(mask * sum_v p log q) / (B*T);  loss = sum_s ttt_decay**s * loss_s.
+  Metrics: `top1/s` = share of loss-masked positions (target argmax outside the draft vocab counted as
+  misses) where the draft's argmax equals the target's argmax at step s; `n/s` their count.
+
+Draft vocabulary (`prepare`): the N most frequent tokens among loss-masked training tokens (ties: lower id
+first), sorted by id; `d2t[i] = id_i - i`, `t2d[id] = True` for chosen ids (vLLM/SGLang convention).
+
+Drafting (`drafter`, `drafter_factory`): chains, or EAGLE-2 dynamic trees (`tree="dynamic"`, `top_k`,
+`total_tokens`), with the head's own KV cache rolled back to the accepted path on every commit.
+
+The package, one job per module (this file only re-exports their public names, so `from heads.eagle import X`
+and `heads.base.family_module("eagle3").X` reach all of them):
+    config.py   Eagle1Config, Eagle3Config, CONFIGS, feature_layers, default_layer_ids, resolved_draft_vocab
+    model.py    the re-implemented Llama layer (RMSNorm, Attention, MLP, DecoderLayer), ttt_attention,
+                masked_attention, rotary, Eagle1Head, Eagle3Head, build
+    vocab.py    the draft vocabulary (draft_vocab_from_counts, token_counts) and prepare
+    losses.py   loss (EAGLE-1 and EAGLE-3 TTT), step_alignment
+    drafting.py EagleDrafter (chain / EAGLE-2 dynamic tree of Candidate nodes), drafter, drafter_factory
+
+Run the unit tests with `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_alignment.py`.
+"""
+
+from heads.align import shift_left
+from heads.eagle.config import (
+    CONFIGS,
+    DEFAULT_DRAFT_VOCAB,
+    Eagle1Config,
+    Eagle3Config,
+    default_layer_ids,
+    feature_layers,
+    resolved_draft_vocab,
+)
+from heads.eagle.drafting import Candidate, CandidatePool, EagleDrafter, drafter, drafter_factory
+from heads.eagle.losses import loss, step_alignment
+from heads.eagle.model import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    Eagle1Head,
+    Eagle3Head,
+    RMSNorm,
+    build,
+    masked_attention,
+    rotary,
+    ttt_attention,
+)
+from heads.eagle.vocab import draft_vocab_from_counts, prepare, token_counts
+
+__all__ = [
+    "CONFIGS", "DEFAULT_DRAFT_VOCAB", "MLP", "Attention", "Candidate", "CandidatePool", "DecoderLayer",
+    "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "EagleDrafter", "RMSNorm", "build",
+    "default_layer_ids", "draft_vocab_from_counts", "drafter", "drafter_factory", "feature_layers", "loss",
+    "masked_attention", "prepare", "resolved_draft_vocab", "rotary", "shift_left", "step_alignment",
+    "token_counts", "ttt_attention",
+]

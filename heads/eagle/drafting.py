@@ -1,0 +1,255 @@
+"""The EAGLE drafter (the decoder's adapter, heads.types.Drafter): chains, or EAGLE-2 dynamic trees.
+
+    d = drafter(head, target, tree="chain" | "dynamic", top_k=10, total_tokens=60, depth=None, generator=None)
+    make = drafter_factory(head, target, tree="auto", k=4)   # eval.tree mapped onto these options
+
+The head's own KV cache (transformers' DynamicCache, see heads.cache) holds the committed rows; draft rows are
+appended while drafting and cropped away at the end of `draft`, and `commit` recomputes the accepted rows from
+the target's real features (the rollback). The EAGLE-2 tree grows as a pool of `Candidate` nodes.
+
+Tests: `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_sampling_drafters.py -k eagle`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from heads.base import check_eval_tree
+from heads.cache import crop_to
+from heads.eagle.model import masked_attention, rotary
+from heads.types import DraftTree, Features, TargetIO
+
+
+@dataclass
+class Candidate:
+    """One node of an EAGLE-2 dynamic tree while it grows (see CandidatePool)."""
+
+    token: int  # the drafted token, a HEAD-vocab id
+    parent: int  # pool index of its parent node, -1 for a child of the root
+    score: float  # cumulative draft log-prob from the root
+    depth: int  # 1 for a child of the root
+    q: int  # index into CandidatePool.qs of the distribution it was drawn from (its parent's); -1 when greedy
+    sees: list[int] = field(default_factory=list)  # once expanded: the draft rows its row attends to (ancestors', own)
+    out: torch.Tensor | None = None  # once expanded: its row's PRE-norm output, which its children read
+
+
+class CandidatePool:
+    """The nodes of an EAGLE-2 tree in creation order, the distributions they were drawn from, and how many
+    draft rows (cache rows past the committed ones) the expanded nodes occupy."""
+
+    def __init__(self, top_k: int, temperature: float):
+        self.top_k, self.temperature = top_k, temperature
+        self.nodes: list[Candidate] = []
+        self.qs: list[torch.Tensor] = []
+        self.rows = 0
+
+    def add_children(self, logits: torch.Tensor, parent: int) -> list[int]:
+        """The `top_k` best children of `parent` (-1 = the root) under `logits`; returns their pool indices."""
+        base, depth = (0.0, 1) if parent < 0 else (self.nodes[parent].score, self.nodes[parent].depth + 1)
+        if self.temperature > 0:
+            self.qs.append(torch.softmax(logits / self.temperature, dim=-1))
+        top = logits.log_softmax(-1).topk(self.top_k)
+        start = len(self.nodes)
+        for val, idx in zip(top.values.tolist(), top.indices.tolist()):
+            self.nodes.append(Candidate(idx, parent, base + val, depth, len(self.qs) - 1))
+        return list(range(start, len(self.nodes)))
+
+    def best(self, frontier: list[int]) -> list[int]:
+        """The `top_k` nodes of `frontier` with the highest scores (stable: earlier nodes win ties)."""
+        return sorted(frontier, key=lambda i: -self.nodes[i].score)[: self.top_k]
+
+    def select(self, total: int) -> tuple[list[int], list[int]]:
+        """The `total` best nodes in tree order (depth, then creation), and each one's parent among them.
+
+        A child never scores above its parent (log-probs <= 0) and ties go to the shallower node, so the
+        selection always includes every selected node's ancestors."""
+        nodes = self.nodes
+        chosen = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:total]
+        chosen.sort(key=lambda i: (nodes[i].depth, i))
+        new_index = {node: j for j, node in enumerate(chosen)}
+        return chosen, [-1 if nodes[i].parent < 0 else new_index[nodes[i].parent] for i in chosen]
+
+
+class EagleDrafter:
+    """The decoder's adapter (heads.types.Drafter) for an EAGLE-1 or EAGLE-3 head.
+
+    State: the head's own KV cache over committed rows (row p pairs emb(x_{p+1}) with the target features
+    at p, RoPE position p) and the output o / logits of the last committed row, which drafts the root's
+    children. A draft row at tree depth d sits at position n-1+d (n committed rows), reads its token and
+    its parent's PRE-norm output o, and attends to the whole cache plus its ancestors' draft rows: the
+    same keys training-time test uses. Draft rows are never kept: `draft` crops them off the cache and
+    `commit` recomputes the accepted rows from the target's real features (the rollback).
+
+    tree="chain": one child per depth (argmax at temperature 0, else a sample of q; probs given, "iid").
+    tree="dynamic" (EAGLE-2): at each depth expand the `top_k` best nodes by cumulative draft log-prob,
+    each proposing its `top_k` best children; finally keep the `total_tokens` best nodes of all depths
+    (ancestor-closed because a child never scores above its parent). Children are deterministic top-k, so
+    the tree is marked sampling="topk" with q at the parent when temperature > 0.
+    """
+
+    def __init__(self, head: nn.Module, target: TargetIO, tree: str = "chain", top_k: int = 10,
+                 total_tokens: int = 60, depth: int | None = None, generator: torch.Generator | None = None):
+        if tree not in ("chain", "dynamic"):
+            raise ValueError(f"EAGLE drafter: tree '{tree}' is not one of chain, dynamic")
+        if top_k < 1 or total_tokens < 1:
+            raise ValueError(f"EAGLE drafter: top_k ({top_k}) and total_tokens ({total_tokens}) must be >= 1")
+        self.head, self.target = head.eval(), target
+        self.capture_layers: tuple[int, ...] | None = tuple(head.layer_ids)
+        self.tree, self.top_k, self.total_tokens, self.depth = tree, top_k, total_tokens, depth
+        self.generator = generator
+        p = next(head.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache = DynamicCache()  # layer 0: the head's layer; holds exactly the n committed rows between calls
+        self.n = 0
+        self.last_o: torch.Tensor | None = None
+        self.last_logits: torch.Tensor | None = None
+        self.tree_tokens: list[int] = []
+
+    # -- rows
+    def _rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              mask: torch.Tensor) -> torch.Tensor:
+        """Run new rows through the head's layer: their K/V are appended to the cache, and row i attends to
+        the cache rows (the new ones included) where mask [rows, cache rows after the append] allows.
+        Returns their PRE-norm outputs o [1, rows, H]."""
+        emb_dev = next(self.target.embed.parameters()).device
+        emb = self.target.embed(tokens[None].to(emb_dev)).to(self.device)
+        cos, sin = rotary(self.target, hidden, positions[None].to(self.device))
+        q, k, v, resid = self.head.rows(emb, hidden, cos, sin)
+        keys, vals = self.cache.update(k, v, 0)
+        return self.head.layer.finish(masked_attention(q, keys, vals, mask.to(self.device)), resid)
+
+    def _logits(self, o: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(o, self.target).float()
+
+    def _extend(self, tokens: list[int], features: Features | None) -> None:
+        m = len(tokens)
+        if features is None or features.last.shape[1] != m:
+            got = None if features is None else features.last.shape[1]
+            raise ValueError(f"EAGLE drafter: expected features for {m} positions, got {got}")
+        feats = Features(last=features.last.to(self.device),
+                         aux=None if features.aux is None else features.aux.to(self.device))
+        hidden = self.head.project(feats)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(self.n, self.n + m, device=self.device)
+        causal = torch.ones(m, m, dtype=torch.bool).tril()
+        o = self._rows(ids, hidden, pos, torch.cat([torch.ones(m, self.n, dtype=torch.bool), causal], dim=1))
+        self.n += m
+        self.last_o = o[:, -1:]
+        self.last_logits = self._logits(self.last_o)[0, 0]
+
+    # -- protocol
+    @torch.no_grad()
+    def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
+        self.cache = DynamicCache()
+        self.n = 0
+        self.tree_tokens = []
+        ids = prompt_ids.reshape(-1).tolist()
+        self._extend(ids[1:] + [int(next_token)], features)
+
+    def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
+        self.commit_tokens([self.tree_tokens[i] for i in accepted], features, next_token)
+
+    @torch.no_grad()
+    def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
+        # Draft rows are never kept, so any path is committed alike: its rows come from the target's features.
+        self.tree_tokens = []
+        self._extend([int(t) for t in tokens] + [int(next_token)], features)
+
+    def _pick(self, logits: torch.Tensor, temperature: float) -> tuple[int, torch.Tensor | None]:
+        if temperature <= 0:
+            return int(logits.argmax()), None
+        q = torch.softmax(logits / temperature, dim=-1)
+        return int(torch.multinomial(q.cpu(), 1, generator=self.generator)), q
+
+    @torch.no_grad()
+    def draft(self, k: int, temperature: float) -> DraftTree:
+        if self.last_logits is None:
+            raise RuntimeError("EAGLE drafter: draft() before begin()")
+        depth = min(k, self.depth) if self.depth else k
+        if depth <= 0:
+            self.tree_tokens = []
+            return DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.device))
+        try:
+            if self.tree == "dynamic":
+                return self._draft_dynamic(depth, temperature)
+            return self._draft_chain(depth, temperature)
+        finally:
+            crop_to(self.cache, self.n)  # drop the draft rows: only committed rows stay
+
+    def _draft_chain(self, k: int, temperature: float) -> DraftTree:
+        vocab = self.target.vocab_size
+        logits, hidden = self.last_logits, self.last_o
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for j in range(k):
+            tok_h, q = self._pick(logits, temperature)
+            tok = int(self.head.to_target_ids(torch.tensor(tok_h, device=self.device)))
+            tokens.append(tok)
+            if q is not None:
+                probs.append(self.head.to_target_probs(q, vocab))
+            if j == k - 1:
+                break
+            pos = torch.tensor([self.n + j])  # d_{j+1} sits at depth j+1, position n-1+(j+1)
+            # it sees the n committed rows, the j earlier draft rows and itself
+            hidden = self._rows(torch.tensor([tok], device=self.device), hidden, pos,
+                                torch.ones(1, self.n + j + 1, dtype=torch.bool))
+            logits = self._logits(hidden)[0, 0]
+        self.tree_tokens = tokens
+        t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return DraftTree.chain(t, torch.stack(probs) if probs else None)
+
+    def _draft_dynamic(self, depth: int, temperature: float) -> DraftTree:
+        pool = CandidatePool(min(self.top_k, self.last_logits.numel()), temperature)
+        frontier = pool.add_children(self.last_logits, -1)
+        for _ in range(2, depth + 1):  # the children of depth 2 .. depth
+            expand = pool.best(frontier)
+            logits = self._expand(pool, expand)
+            frontier = [c for r, i in enumerate(expand) for c in pool.add_children(logits[r], i)]
+        chosen, parents = pool.select(self.total_tokens)
+        tokens = self.head.to_target_ids(torch.tensor([pool.nodes[i].token for i in chosen], device=self.device))
+        self.tree_tokens = tokens.tolist()
+        probs = None
+        if temperature > 0:
+            qs = torch.stack([pool.qs[pool.nodes[i].q] for i in chosen])
+            probs = self.head.to_target_probs(qs, self.target.vocab_size)
+        return DraftTree(tokens=tokens, parents=torch.tensor(parents, dtype=torch.long, device=self.device),
+                         probs=probs, sampling="topk")
+
+    def _expand(self, pool: CandidatePool, expand: list[int]) -> torch.Tensor:
+        """Run the draft rows of the nodes `expand` (the best of one depth) in one pass; returns their logits
+        [len(expand), head vocab], from which their children are proposed."""
+        nodes = [pool.nodes[i] for i in expand]
+        m = len(nodes)
+        toks = self.head.to_target_ids(torch.tensor([c.token for c in nodes], device=self.device))
+        hidden = torch.cat([self.last_o if c.parent < 0 else pool.nodes[c.parent].out for c in nodes], dim=1)
+        pos = torch.tensor([self.n - 1 + c.depth for c in nodes])  # depth-d rows at n-1+d, as in a chain
+        anc = torch.zeros(m, pool.rows, dtype=torch.bool)  # which earlier draft rows each new row sees
+        for r, c in enumerate(nodes):
+            if c.parent >= 0:
+                anc[r, pool.nodes[c.parent].sees] = True
+        mask = torch.cat([torch.ones(m, self.n, dtype=torch.bool), anc, torch.eye(m, dtype=torch.bool)], dim=1)
+        o = self._rows(toks, hidden, pos, mask)
+        for r, c in enumerate(nodes):
+            c.out = o[:, r : r + 1]
+            c.sees = anc[r].nonzero().reshape(-1).tolist() + [pool.rows + r]
+        pool.rows += m
+        return self._logits(o)[0]
+
+
+def drafter(head: nn.Module, target: TargetIO, **kw: Any) -> EagleDrafter:
+    """The decoder adapter: tree="chain" | "dynamic", top_k, total_tokens, depth, generator (see EagleDrafter)."""
+    return EagleDrafter(head, target, **kw)
+
+
+def drafter_factory(head: nn.Module, target: TargetIO, tree: str = "auto", k: int = 4) -> Callable[[], EagleDrafter]:
+    """Fresh drafters for eval.tree: auto (the default chain), chain or dynamic (EAGLE-2); `k` is unused
+    (the depth comes with each draft call). Any other tree raises HeadError naming the head's family."""
+    check_eval_tree(tree, head.family, ("chain", "dynamic"))
+    kw: dict[str, Any] = {} if tree == "auto" else {"tree": tree}
+    return lambda: drafter(head, target, **kw)

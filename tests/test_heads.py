@@ -1,0 +1,101 @@
+"""What every head family shares: drafter_factory's eval.tree mapping, the drafters' KV cache helpers
+(heads.cache), and the names heads.base keeps re-exporting.
+
+    .venv/bin/python -m pytest -q tests/test_heads.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from heads import eagle, medusa, mtp
+from heads.base import HeadError, family_module
+from heads.cache import cache_length, crop_to
+from heads.tree import DEFAULT_CHOICES, StaticTree
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_target):
+    """family -> a fresh head of that family on the tiny target."""
+    _, _, io = tiny_target
+    torch.manual_seed(0)
+    return {
+        "eagle1": eagle.build(eagle.Eagle1Config(), io),
+        "eagle3": eagle.build(eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=200, ttt_length=1), io),
+        "medusa": medusa.build(medusa.MedusaConfig(num_heads=3), io),
+        "mtp": mtp.build(mtp.MTPConfig(), io),
+    }
+
+
+def _options(d) -> tuple:
+    """The drafter's tree option as something comparable: EAGLE's tree kind, Medusa's choice paths."""
+    if isinstance(d, eagle.EagleDrafter):
+        return ("eagle", d.tree)
+    if isinstance(d, medusa.MedusaDrafter):
+        return ("medusa", d.tree.paths)
+    assert isinstance(d, mtp.MTPDrafter)
+    return ("mtp",)
+
+
+MEDUSA_DEFAULT = StaticTree(DEFAULT_CHOICES).truncate(3).paths  # the configured tree (none) cut to 3 heads
+# (family, eval.tree, k) -> the drafter options eval/run.py's _head_drafter_factory has always produced
+MAPPING = {
+    ("eagle1", "auto", 4): ("eagle", "chain"), ("eagle1", "chain", 4): ("eagle", "chain"),
+    ("eagle1", "dynamic", 4): ("eagle", "dynamic"),
+    ("eagle3", "auto", 4): ("eagle", "chain"), ("eagle3", "chain", 2): ("eagle", "chain"),
+    ("eagle3", "dynamic", 4): ("eagle", "dynamic"),
+    ("medusa", "auto", 4): ("medusa", MEDUSA_DEFAULT), ("medusa", "static", 2): ("medusa", MEDUSA_DEFAULT),
+    ("medusa", "chain", 3): ("medusa", [(0,), (0, 0), (0, 0, 0)]), ("medusa", "chain", 1): ("medusa", [(0,)]),
+    ("mtp", "auto", 4): ("mtp",), ("mtp", "chain", 4): ("mtp",),
+}
+REFUSED = [("eagle1", "static"), ("eagle3", "static"), ("eagle3", "tree"), ("medusa", "dynamic"),
+           ("mtp", "static"), ("mtp", "dynamic")]
+
+
+@pytest.mark.parametrize(("family", "tree", "k"), list(MAPPING))
+def test_drafter_factory_maps_eval_tree_onto_the_family_options(tiny_target, heads, family, tree, k):
+    _, _, io = tiny_target
+    make = family_module(family).drafter_factory(heads[family], io, tree=tree, k=k)
+    first, second = make(), make()
+    assert first is not second  # a fresh drafter per call: each generation starts from a clean state
+    assert first.head is heads[family] and first.target is io
+    assert _options(first) == MAPPING[family, tree, k]
+
+
+@pytest.mark.parametrize(("family", "tree"), REFUSED)
+def test_drafter_factory_refuses_a_tree_the_family_has_not(tiny_target, heads, family, tree):
+    _, _, io = tiny_target
+    with pytest.raises(HeadError, match=rf"^eval.tree '{tree}' is not available for a {family} head$"):
+        family_module(family).drafter_factory(heads[family], io, tree=tree, k=4)
+
+
+# ----------------------------------------------------------------------------------------------- heads.cache
+def _rows(n: int, start: float = 0.0) -> torch.Tensor:
+    """[1, 1, n, 2] keys whose row i holds start + i (so a crop's survivors can be read off)."""
+    return (torch.arange(n, dtype=torch.float32) + start).reshape(1, 1, n, 1).expand(1, 1, n, 2).contiguous()
+
+
+def test_crop_to_keeps_the_first_rows_of_the_filled_layer_only():
+    cache = DynamicCache()
+    cache.update(_rows(5), _rows(5, 10.0), 3)  # a copied target block writes at its own layer index
+    assert cache_length(cache) == 5 and cache.get_seq_length(0) == 0
+    crop_to(cache, 7)  # longer than held: nothing to do (5.24 refuses a positive crop, 5.17 read it as a length)
+    assert cache_length(cache) == 5
+    crop_to(cache, 3)
+    assert cache.layers[3].keys[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0]
+    assert cache.layers[3].values[0, 0, :, 0].tolist() == [10.0, 11.0, 12.0]
+    keys, _ = cache.update(_rows(1, 7.0), _rows(1, 17.0), 3)  # appends after the survivors
+    assert keys[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 7.0]
+    crop_to(cache, 0)
+    assert cache_length(cache) == 0
+    assert cache_length(DynamicCache()) == 0
+
+
+def test_base_keeps_re_exporting_the_moved_names():
+    from heads import align, base, cache, types
+
+    for name in ("Features", "TargetIO", "DraftTree", "Drafter", "target_record", "target_fingerprint"):
+        assert getattr(base, name) is getattr(types, name)
+    assert base.cache_kwarg is cache.cache_kwarg and base.shift_targets is align.shift_targets
