@@ -36,6 +36,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from heads.base import Drafter, cache_kwarg
+from heads.cache import crop_to
 
 
 @dataclass
@@ -82,13 +83,6 @@ def _forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: Dyn
     pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -n:]
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
     return out.logits
-
-
-def _crop(cache: DynamicCache, keep: int) -> None:
-    """Drop cache entries past the first `keep` (a negative count means "remove" in every transformers version)."""
-    remove = cache.get_seq_length() - keep
-    if remove > 0:
-        cache.crop(-remove)
 
 
 def _chain_tokens(drafter: Drafter, k: int) -> list[int]:
@@ -150,7 +144,7 @@ def batched_generate(
                 a += 1
             m = min(m, a)
         keep = before + m + 1  # root and the m drafts every row accepted
-        _crop(cache, keep)
+        crop_to(cache, keep)
         mask = mask[:, :keep]
         emitted.append(g[:, : m + 1])
         n_out += m + 1
