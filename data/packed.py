@@ -21,8 +21,8 @@ is measured against plain decoding on the same packed model.
     from data.packed import pack_linears
     n = pack_linears(model)        # every large nn.Linear on the CPU in float32 -> PackedLinear (in place)
 
-`target.cpu_kernels: packed` (the default) applies it wherever the target only runs inference: eval,
-prompt writing, regeneration. A packed layer keeps its dense `weight`/`bias` (shared, so code that reads
+`target.cpu_kernels: packed` (the default) applies it wherever the target decodes
+(`data.target.load_model(cfg, decode=True)`): eval, prompt writing, regeneration. A packed layer keeps its dense `weight`/`bias` (shared, so code that reads
 `lm_head.weight` and the fingerprint see the same tensors) and falls back to the dense kernel whenever
 autograd is on, the input is not float32, or oneDNN is missing, so training never goes through it. The
 packed copy is taken once: weights changed after packing are not seen (pack after loading).

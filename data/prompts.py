@@ -290,7 +290,7 @@ def write_prompts(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> d
     n_self = pcfg.num_prompts - n_mix
     mix = read_mix(pcfg, n_mix)
     if model is None or tokenizer is None:
-        model, tokenizer = load_model(cfg.target, inference=True), load_tokenizer(cfg.target)
+        model, tokenizer = load_model(cfg.target, decode=True), load_tokenizer(cfg.target)
     template = cfg.data.chat_template
     heads = {d.name: user_turn_prefix(tokenizer, d.system, template) for d in pcfg.domains}
     end_of_turn = user_turn_prefix(tokenizer, None, template)[1]

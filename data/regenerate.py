@@ -342,7 +342,7 @@ def load_engine(cfg: RunConfig) -> tuple[Any, Any, Any]:
         target = VllmTarget(cfg.target, tensor_parallel_size=rcfg.tensor_parallel_size, memory=rcfg.memory,
                             seed=cfg.seed)
         return target, load_tokenizer(cfg.target), vllm_generate_batch
-    return load_model(cfg.target, inference=True), load_tokenizer(cfg.target), generate_batch
+    return load_model(cfg.target, decode=True), load_tokenizer(cfg.target), generate_batch
 
 
 def regenerate(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> dict[str, Any]:

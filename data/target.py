@@ -184,12 +184,13 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerFast:
         raise TargetLoadError(f"target.name_or_path '{name}': cannot load tokenizer ({_reason(e)})") from None
 
 
-def load_model(cfg: TargetConfig, inference: bool = False) -> nn.Module:
+def load_model(cfg: TargetConfig, decode: bool = False) -> nn.Module:
     """The frozen target: eval mode, requires_grad False, on the configured device and dtype.
 
-    inference: the caller only runs forwards (eval, prompt writing, regeneration, extraction), so with
-    `target.cpu_kernels: packed` the linear layers of a CPU float32 target get oneDNN-prepacked weights
-    (data.packed). Training never asks for it (ZeRO-3 partitions the weights it would pack)."""
+    decode: the caller generates tokens with it (eval, prompt writing, regeneration: a few rows per forward
+    through the output projection), so with `target.cpu_kernels: packed` the large matrices of a CPU float32
+    target get oneDNN-prepacked copies (data.packed). Extraction (no output projection) and training (ZeRO-3
+    partitions the weights it would pack) do not ask for it."""
     name = cfg.name_or_path
     dtype = _dtype(cfg.dtype)
     if name in TINY_NAMES:
@@ -237,7 +238,7 @@ def load_model(cfg: TargetConfig, inference: bool = False) -> nn.Module:
         model.to(resolve_device(cfg.device))
     model.eval()
     model.requires_grad_(False)
-    if inference and cfg.cpu_kernels == "packed":
+    if decode and cfg.cpu_kernels == "packed":
         pack_linears(model)
     return model
 
@@ -283,9 +284,9 @@ def target_io(model: nn.Module, name: str = "") -> TargetIO:
     )
 
 
-def load_target(cfg: TargetConfig) -> tuple[nn.Module, PreTrainedTokenizerFast, TargetIO]:
-    """Model, tokenizer and TargetIO in one call."""
-    model = load_model(cfg, inference=True)
+def load_target(cfg: TargetConfig, decode: bool = False) -> tuple[nn.Module, PreTrainedTokenizerFast, TargetIO]:
+    """Model, tokenizer and TargetIO in one call (decode: see load_model)."""
+    model = load_model(cfg, decode)
     tok = load_tokenizer(cfg)
     return model, tok, target_io(model, cfg.name_or_path)
 

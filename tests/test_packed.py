@@ -11,7 +11,7 @@ from torch import nn
 
 from data.config import TargetConfig
 from data.packed import MIN_PACKED_NUMEL, PackedLinear, pack_linears
-from data.target import load_model
+from data.target import load_model, load_target
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -57,10 +57,11 @@ def test_only_large_float32_matrices_are_packed() -> None:
     assert pack_linears(model) == 1 and isinstance(model[1], PackedLinear) and model[1].weight is big.weight
 
 
-def test_load_model_packs_for_inference_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_load_model_packs_for_decoding_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("data.packed.MIN_PACKED_NUMEL", 0)  # pack the tiny target's matrices too
     cfg = TargetConfig(name_or_path="tiny-random-llama", device="cpu")
-    packed = load_model(cfg, inference=True)
-    assert any(isinstance(m, PackedLinear) for m in packed.modules())
-    for model in (load_model(cfg), load_model(TargetConfig(**{**vars(cfg), "cpu_kernels": "dense"}), inference=True)):
+    for packed in (load_model(cfg, decode=True), load_target(cfg, decode=True)[0]):
+        assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    dense_cfg = TargetConfig(**{**vars(cfg), "cpu_kernels": "dense"})
+    for model in (load_model(cfg), load_target(cfg)[0], load_model(dense_cfg, decode=True)):
         assert not any(isinstance(m, PackedLinear) for m in model.modules())
