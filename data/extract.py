@@ -8,7 +8,8 @@
     python -m data.extract verify STORE     # every split store.json names; sizes, checksums, coverage; names each bad shard
 
 The layers captured are the head's (`feature_layers(cfg.head, target_config)` of its family); the final
-post-norm hidden state is always stored, logits never (trainers recompute them with the target's lm_head).
+post-norm hidden state and the target's argmax next token are always stored, logits never (trainers
+recompute what they need from `last` with the target's lm_head).
 
 Plan (deterministic, so a killed run resumes exactly where it stopped and gives the same bytes as a
 single run): samples are ordered longest first (ties by index; long batches first expose out-of-memory at
@@ -39,7 +40,7 @@ from tqdm import tqdm
 
 from data.cli import cli_main
 from data.config import ConfigError, RunConfig, check_layer_ids, parse_args
-from data.features import forward_features
+from data.features import forward_features, greedy_ids
 from data.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -227,7 +228,8 @@ def extract_split(model: nn.Module, dataset: datasets.Dataset, split_dir: Path, 
                 x = feats.last if feats.aux is None else torch.cat([feats.last, feats.aux], dim=-1)
                 # Boolean indexing walks [B, T] row-major: sample after sample, tokens in order, padding
                 # dropped: exactly the packed order the shard's offsets describe.
-                writer.write(x.to(dtype)[att.bool()])
+                keep = att.bool()
+                writer.write(x.to(dtype)[keep], greedy_ids(model, feats.last[keep]))
                 bar.update(int(att.sum()))
             entry = writer.close()
         except BaseException:

@@ -6,7 +6,8 @@ see exactly the same tensors.
 Convention (see heads/base.py): index i means transformers' `hidden_states[i]`, i.e. the residual stream
 at the INPUT of decoder layer i (index 0 is the embedding output). Only the asked layers are kept: hooks on
 the decoder layers copy their inputs, so the L+1 hidden states are never all held in memory. `last` is the
-output of the target's final norm (what lm_head reads); logits are computed only when asked for.
+output of the target's final norm (what lm_head reads); logits are computed only when asked for, and
+`greedy_ids` gives the target's argmax from `last` a chunk of rows at a time (the store keeps those ids).
 
     with FeatureCapture(model, layer_ids=[2, 15, 27]) as cap:
         out = model(input_ids=ids, cache=cache, use_cache=True)
@@ -101,3 +102,18 @@ def forward_features(
             base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             logits = None
     return cap.features(), logits
+
+
+@torch.no_grad()
+def greedy_ids(model: nn.Module, last: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """The target's argmax next token at every position of `last` [..., H], as int32 [...].
+
+    Rows go through the output projection `chunk` at a time, so a large vocabulary never needs a whole
+    batch of full-vocab logits in memory.
+    """
+    head = model.get_output_embeddings()
+    w = next(head.parameters())
+    flat = last.reshape(-1, last.shape[-1])
+    out = [head(flat[i: i + chunk].to(w.device, w.dtype)).argmax(-1) for i in range(0, flat.shape[0], chunk)]
+    ids = torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=w.device)
+    return ids.to(torch.int32).reshape(last.shape[:-1])

@@ -8,7 +8,8 @@
 `batch` returns the training batch dict of the project conventions, right padded to the longest sample:
     input_ids [B, T] long, attention_mask [B, T] long, loss_mask [B, T] long,
     last [B, T, H] float32, aux [B, T, k*H] float32 (only when layer_ids is not empty),
-all on the CPU (the loop moves them), features zero on padding positions in both modes.
+    target_argmax [B, T] long (the target's greedy next token at each position),
+all on the CPU (the loop moves them), features and argmax zero on padding positions in both modes.
 
 cfg.features.mode picks the source:
   offline  reads STORE/<split_name> (cfg.features.store, relative to cfg.out unless absolute), written by
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from data.config import RunConfig
-from data.features import forward_features
+from data.features import forward_features, greedy_ids
 from data.store import StoreMismatchError, StoreReader, store_root
 from heads.base import TargetIO, check_target
 
@@ -60,10 +61,12 @@ class FeatureSet:
             h = self.reader.hidden_size
             last = torch.zeros(b, t, h)
             aux = torch.zeros(b, t, self.reader.width - h) if self.layer_ids else None
+            argmax = torch.zeros(b, t, dtype=torch.long)
             for j, i in enumerate(indices):
                 s_last, s_aux = self.reader.sample(int(i))
                 n = s_last.shape[0]
                 last[j, :n] = s_last.float()
+                argmax[j, :n] = self.reader.target_argmax(int(i))
                 if aux is not None:
                     aux[j, :n] = s_aux.float()
         else:
@@ -74,7 +77,9 @@ class FeatureSet:
             # Left on the target's device: the loop trains there, a trip through host memory would be waste.
             last = feats.last.masked_fill(~keep, 0).float()
             aux = None if feats.aux is None else feats.aux.masked_fill(~keep, 0).float()
+            argmax = greedy_ids(self.target_model, feats.last).long().masked_fill(~keep[..., 0], 0)
         out["last"] = last
+        out["target_argmax"] = argmax
         if aux is not None:
             out["aux"] = aux
         return out

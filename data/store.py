@@ -25,10 +25,13 @@ Each shard is one safetensors file holding whole samples, tokens packed back to 
     features    dtype [N, W]     one row per token; W = H * (1 + len(layer_ids)):
                                  columns [0, H) are `last` (final post-norm hidden state), columns
                                  [H, W) are `aux` (hidden_states[i] for the layer ids, ascending)
+    target_argmax int32 [N]      the target's greedy next token at each position (argmax of its logits):
+                                 EAGLE-3 masks and scores with it, so training never runs the full-vocab
+                                 lm_head (format_version 2; a version-1 store is refused: re-extract)
 
 `last` and `aux` share one tensor so that a shard is written strictly front to back, batch after batch,
-hashing as it goes, with only one batch in memory (the header is written first: every size is known
-from the extraction plan). The file is written under `NAME.tmp`, fsynced, then renamed, so a final
+hashing as it goes, with only one batch of features in memory (the header is written first: every size
+is known from the extraction plan); the argmax ids, 4 bytes a token, are kept and written last. The file is written under `NAME.tmp`, fsynced, then renamed, so a final
 name always means a complete file; a killed run leaves at most a `.tmp` that the next run deletes.
 
 manifest.json (and each part file) records: format and version, split, the target (name, fingerprint
@@ -39,6 +42,7 @@ its sample and token counts, byte size and sha256.
 
     reader = StoreReader("runs/x/features/train")    # checks sizes; hashes each shard on first read
     last, aux = reader.sample(17)                    # [n, H], [n, k*H] in the stored dtype
+    ids = reader.target_argmax(17)                   # [n] int32
 """
 
 from __future__ import annotations
@@ -62,12 +66,13 @@ if TYPE_CHECKING:
     from data.config import RunConfig
 
 FORMAT = "draftheads-features"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shards hold target_argmax
 MANIFEST = "manifest.json"
 STORE_INDEX = "store.json"  # STORE/store.json: {"format", "splits": [...]}, the splits verify must find
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+ARGMAX_BYTES = 4  # int32 target_argmax per token
 
 # Keys that must agree between the part files of one split (everything except rank and shard list).
 HEADER_KEYS = (
@@ -98,8 +103,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def bytes_per_token(hidden_size: int, num_aux_layers: int, dtype: str) -> int:
-    """Stored bytes per token: (1 + k) feature vectors of H values (the offsets index is negligible)."""
-    return hidden_size * (1 + num_aux_layers) * torch_dtype(dtype).itemsize
+    """Stored bytes per token: (1 + k) feature vectors of H values and the argmax id (the offsets index is
+    negligible)."""
+    return hidden_size * (1 + num_aux_layers) * torch_dtype(dtype).itemsize + ARGMAX_BYTES
 
 
 def shard_name(rank: int, world: int, index: int) -> str:
@@ -155,7 +161,8 @@ def check_disk_space(folder: Path, needed: int) -> None:
 
 # ----------------------------------------------------------------------------------------------- writing
 class ShardWriter:
-    """Write one shard front to back: header and index first (sizes come from the plan), then feature rows.
+    """Write one shard front to back: header and index first (sizes come from the plan), then feature rows,
+    then the argmax ids (collected as the rows arrive).
 
     The bytes are hashed as they are written; `close()` checks every planned row arrived, fsyncs, renames
     `NAME.tmp` to `NAME` and returns the shard's manifest entry.
@@ -170,19 +177,21 @@ class ShardWriter:
         offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
         ids = torch.tensor(sample_ids, dtype=torch.int64)
         n = self.num_samples = len(sample_ids)
-        spans = [8 * (n + 1), 8 * n, self.num_tokens * width * dtype.itemsize]
-        ends = [sum(spans[: i + 1]) for i in range(3)]
+        spans = [8 * (n + 1), 8 * n, self.num_tokens * width * dtype.itemsize, self.num_tokens * ARGMAX_BYTES]
+        ends = [sum(spans[: i + 1]) for i in range(4)]
         header = {
             "__metadata__": metadata,
             "offsets": {"dtype": "I64", "shape": [n + 1], "data_offsets": [0, ends[0]]},
             "sample_ids": {"dtype": "I64", "shape": [n], "data_offsets": [ends[0], ends[1]]},
             "features": {"dtype": _ST_DTYPE[dtype], "shape": [self.num_tokens, width],
                          "data_offsets": [ends[1], ends[2]]},
+            "target_argmax": {"dtype": "I32", "shape": [self.num_tokens], "data_offsets": [ends[2], ends[3]]},
         }
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
-        self.size = 8 + len(raw) + ends[2]
+        self.size = 8 + len(raw) + ends[3]
         self.rows = 0
+        self.argmax: list[torch.Tensor] = []
         self.sha = hashlib.sha256()
         self.file = open(self.tmp, "wb")
         self._put(struct.pack("<Q", len(raw)) + raw)
@@ -193,17 +202,22 @@ class ShardWriter:
         self.sha.update(data)
         self.file.write(data)
 
-    def write(self, rows: torch.Tensor) -> None:
-        """Append feature rows [n, W] (tokens in the planned order), converted to the store dtype."""
-        if rows.shape[-1] != self.width or self.rows + rows.shape[0] > self.num_tokens:
-            raise ValueError(f"{self.path.name}: unexpected rows {tuple(rows.shape)} after {self.rows} rows")
+    def write(self, rows: torch.Tensor, argmax: torch.Tensor) -> None:
+        """Append feature rows [n, W] (tokens in the planned order), converted to the store dtype, and the
+        target's argmax id [n] of each."""
+        if rows.shape[-1] != self.width or self.rows + rows.shape[0] > self.num_tokens \
+                or tuple(argmax.shape) != (rows.shape[0],):
+            raise ValueError(f"{self.path.name}: unexpected rows {tuple(rows.shape)} / argmax "
+                             f"{tuple(argmax.shape)} after {self.rows} rows")
         data = rows.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).reshape(-1).numpy()
         self._put(memoryview(data))
+        self.argmax.append(argmax.detach().to("cpu", torch.int32))
         self.rows += rows.shape[0]
 
     def close(self) -> dict:
         if self.rows != self.num_tokens:
             raise ValueError(f"{self.path.name}: {self.rows} of {self.num_tokens} rows written")
+        self._put(memoryview(torch.cat(self.argmax).contiguous().view(torch.uint8).numpy()))
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
@@ -287,8 +301,12 @@ def read_manifest(split_dir: str | Path) -> dict:
     manifest = read_json(path)
     if manifest.get("format") != FORMAT:
         raise StoreError(f"{path}: not a draftheads feature store manifest")
-    if int(manifest.get("format_version", -1)) > FORMAT_VERSION:
-        raise StoreError(f"{path}: format_version {manifest['format_version']} is newer than this code ({FORMAT_VERSION})")
+    version = int(manifest.get("format_version", -1))
+    if version > FORMAT_VERSION:
+        raise StoreError(f"{path}: format_version {version} is newer than this code ({FORMAT_VERSION})")
+    if version < FORMAT_VERSION:
+        raise StoreError(f"{path}: format_version {version} store has no target_argmax (added in version "
+                         f"{FORMAT_VERSION}); delete {folder} and re-extract (python -m data.extract --config ...)")
     shards = manifest.get("shards")
     if not isinstance(shards, list):
         raise StoreError(f"{path}: no shard list")
@@ -405,7 +423,7 @@ class StoreReader:
             self._shard[ids], self._start[ids], self._len[ids] = k, off[:-1], off[1:] - off[:-1]
         if bool((self._shard < 0).any()):
             raise StoreError(f"{self.folder}: sample {int((self._shard < 0).nonzero()[0])} is in no shard")
-        self._handles: dict[int, Any] = {}
+        self._handles: dict[int, tuple[Any, Any]] = {}
         self._verified: set[int] = set()
 
     def __len__(self) -> int:
@@ -420,7 +438,8 @@ class StoreReader:
         state["_handles"] = {}
         return state
 
-    def _slice(self, k: int) -> Any:
+    def _slices(self, k: int) -> tuple[Any, Any]:
+        """Shard k's (features, target_argmax) slices, opened (and hashed) on first use."""
         if k not in self._handles:
             entry = self.manifest["shards"][k]
             path = shard_path(self.folder, entry, self.folder / MANIFEST)
@@ -430,7 +449,8 @@ class StoreReader:
                                      f"re-extract it or check with `python -m data.extract verify`")
                 self._verified.add(k)
             try:
-                self._handles[k] = safe_open(str(path), framework="pt").get_slice("features")
+                f = safe_open(str(path), framework="pt")
+                self._handles[k] = (f.get_slice("features"), f.get_slice("target_argmax"))
             except Exception as e:  # safetensors' own error types
                 raise StoreError(f"{path}: unreadable shard ({e})") from None
         return self._handles[k]
@@ -438,9 +458,11 @@ class StoreReader:
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(last [n, H], aux [n, k*H] or None) of sample i, in the stored dtype."""
         k, a = int(self._shard[i]), int(self._start[i])
-        rows = self._slice(k)[a: a + int(self._len[i])]
+        rows = self._slices(k)[0][a: a + int(self._len[i])]
         h = self.hidden_size
         return rows[:, :h], (rows[:, h:] if self.width > h else None)
 
-    def samples(self, ids: Iterable[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        return [self.sample(i) for i in ids]
+    def target_argmax(self, i: int) -> torch.Tensor:
+        """The target's greedy next token [n] (int32) at each position of sample i."""
+        k, a = int(self._shard[i]), int(self._start[i])
+        return self._slices(k)[1][a: a + int(self._len[i])]

@@ -50,7 +50,7 @@ import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from data.config import load_config  # noqa: E402
-from data.features import forward_features  # noqa: E402
+from data.features import forward_features, greedy_ids  # noqa: E402
 from data.target import target_io  # noqa: E402
 from eval.costs import measure_verify_cost  # noqa: E402
 from eval.decoder import plain_generate, speculative_generate  # noqa: E402
@@ -263,7 +263,8 @@ def section_head_train(s: Settings, model: torch.nn.Module, peak: float | None) 
 
     def step() -> None:
         feats, _ = forward_features(model, ids, ones, layers)  # online features of the frozen target
-        batch = {"input_ids": ids, "loss_mask": ones, "attention_mask": ones, "last": feats.last, "aux": feats.aux}
+        batch = {"input_ids": ids, "loss_mask": ones, "attention_mask": ones, "last": feats.last, "aux": feats.aux,
+                 "target_argmax": greedy_ids(model, feats.last).long()}
         with autocast:
             loss, _ = eagle.loss(head, batch, io)
         loss.backward()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from data.features import forward_features
+from data.features import forward_features, greedy_ids
 from eval.decoder import speculative_generate, target_distribution
 
 
@@ -120,7 +120,8 @@ def make_batch(model, seqs: list[list[int]], prompt_len: int = 4) -> dict[str, t
     loss_mask = attn.clone()
     loss_mask[:, :prompt_len] = 0
     feats, _ = forward_features(model, ids, attn)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "last": feats.last}
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask, "last": feats.last,
+            "target_argmax": greedy_ids(model, feats.last).long()}
 
 
 def sampling_pvalue(model, prompt: list[int], make_drafter, samples: int = 600, make_policy=None, **kw) -> float:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from data.features import forward_features
+from data.features import forward_features, greedy_ids
 from heads import eagle, medusa, mtp
 
 T = 14  # sequence length of the oracle batches
@@ -52,7 +52,7 @@ def _eagle3_training(model, head, io, seq: torch.Tensor) -> tuple[list[torch.Ten
     """(step-s logits [T, draft_vocab] of the training unroll for s < ttt_length, the loss metrics)."""
     feats, _ = forward_features(model, seq, None, head.layer_ids)
     batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": torch.ones_like(seq),
-             "last": feats.last, "aux": feats.aux}
+             "last": feats.last, "aux": feats.aux, "target_argmax": greedy_ids(model, feats.last).long()}
     with recording(head.lm_head, lambda out: out[0].float()) as steps, torch.no_grad():
         _, metrics = eagle.loss(head, batch, io)
     return steps, metrics

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.features import forward_features
+from data.features import forward_features, greedy_ids
 from heads import eagle
 from heads.base import Features, HeadMismatchError, load_head, save_head
 
@@ -21,7 +21,7 @@ def _batch(model, head, ids, loss_mask=None):
     feats, _ = forward_features(model, ids, None, head.layer_ids)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
             "loss_mask": torch.ones_like(ids) if loss_mask is None else loss_mask,
-            "last": feats.last, "aux": feats.aux}
+            "last": feats.last, "aux": feats.aux, "target_argmax": greedy_ids(model, feats.last).long()}
 
 
 def _eagle3(io, **kw):
@@ -152,6 +152,41 @@ def test_eagle3_metrics_count_loss_masked_positions(tiny_target):
     _, m = eagle.loss(head, _batch(model, head, ids, mask), io)
     # step s at index t predicts x_{t+2+s}: the masked tokens 2..9 that step s can reach are 2+s..9
     assert [m["n/0"], m["n/1"], m["n/2"]] == [8, 7, 6]
+
+
+def test_eagle3_loss_with_a_draft_vocab_equals_the_full_logits_reference(tiny_target):
+    """The loss computes only the draft vocab's rows of the target's logits and reads the stored argmax;
+    it must equal the definition computed from the full logits (soft label = the full logits at the
+    draft ids, softmaxed; mask = loss mask times "the full argmax is in the draft vocab")."""
+    model, _, io = tiny_target
+    torch.manual_seed(0)
+    n = 40
+    head = eagle.build(eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=n, ttt_length=1), io)
+    counts = torch.randint(0, 5, (io.vocab_size,), generator=torch.Generator().manual_seed(1)).numpy()
+    head.d2t, head.t2d = eagle.draft_vocab_from_counts(counts, n)
+    ids = torch.randint(0, io.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    batch = _batch(model, head, ids)
+    with torch.no_grad():
+        loss, m = eagle.loss(head, batch, io)
+        full = io.lm_head(batch["last"]).float()
+        draft = head.draft_ids()
+        assert not bool(head.t2d[full.argmax(-1)].all())  # some positions' argmax lies outside the vocab
+        o = head.midlayer.finish(*_step0(head, io, batch))
+        logq = head.logits(o, io).float().log_softmax(-1)
+        p = full[..., draft].softmax(-1)[:, 1:]  # the label at index t is the target at t+1
+        mask = (head.t2d[full.argmax(-1)][:, 1:] & (torch.arange(11) < 10)).float()  # index t needs x_{t+2}
+        want = -(mask * (p * logq[:, :-1]).sum(-1)).sum() / ids.numel()
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert m["n/0"] == 2 * 10
+
+
+def _step0(head, io, batch):
+    """TTT step 0 of `head` on `batch` up to attention: (attention output, residual)."""
+    hidden = head.project(Features(last=batch["last"], aux=batch["aux"]))
+    b, t = batch["input_ids"].shape
+    cos, sin = eagle.rotary(io, hidden, torch.arange(t).expand(b, t))
+    q, k, v, resid = head.rows(io.embed(eagle.shift_left(batch["input_ids"], 1)), hidden, cos, sin)
+    return eagle.ttt_attention(q, [k], [v]), resid
 
 
 # ----------------------------------------------------------------------------------------------- drafting

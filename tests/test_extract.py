@@ -109,7 +109,7 @@ def test_online_equals_offline(tiny_target, store) -> None:
     assert any(len(b) > 1 and len({off.lengths[i] for i in b}) > 1 for b in planned)  # padding is exercised
     for idx in planned:
         a, b = off.batch(idx), on.batch(idx)
-        assert set(a) == set(b) == {"input_ids", "attention_mask", "loss_mask", "last", "aux"}
+        assert set(a) == set(b) == {"input_ids", "attention_mask", "loss_mask", "last", "aux", "target_argmax"}
         assert a["last"].dtype == torch.float32 and a["aux"].shape[-1] == 2 * 64
         for k in a:
             assert torch.equal(a[k], b[k]), k
@@ -120,6 +120,10 @@ def test_online_equals_offline(tiny_target, store) -> None:
         pad = a["attention_mask"] == 0
         assert pad.any() == (len(idx) > 1)
         assert a["last"][pad].abs().sum() == 0 and b["aux"][pad].abs().sum() == 0
+        # the stored argmax is the inference path's greedy token: the target's own logits, padding zero
+        with torch.no_grad():
+            greedy = model(input_ids=a["input_ids"], attention_mask=a["attention_mask"]).logits.argmax(-1)
+        assert torch.equal(a["target_argmax"][~pad], greedy[~pad]) and a["target_argmax"][pad].abs().sum() == 0
 
 
 def test_store_for_other_layer_ids_refused(tiny_target, store) -> None:
@@ -246,7 +250,7 @@ def test_disk_space_projection_refused(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
     with pytest.raises(StoreError, match="the store needs .* but only 1.00 kB are free"):
         run(cfg, ("train",))
-    assert "256 bytes per token" in capsys.readouterr().err  # hidden 64 x float32, printed before refusing
+    assert "260 bytes per token" in capsys.readouterr().err  # hidden 64 x float32 + int32 argmax, printed before refusing
     assert not list((tmp_path / "run").glob("features/**/*.safetensors"))
 
 

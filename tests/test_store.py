@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -43,6 +44,11 @@ def _header(num_samples: int, num_tokens: int, world: int, dtype: str) -> dict:
     }
 
 
+def argmax_of(sample: torch.Tensor) -> torch.Tensor:
+    """A stand-in for the target's argmax ids of a sample's rows (what the store keeps beside them)."""
+    return sample[:, 0].mul(1000).round().to(torch.int32)
+
+
 def make_store(folder: Path, samples: list[torch.Tensor], world: int = 2, per_shard: int = 3,
                dtype: str = "float32", finish: bool = True) -> None:
     """Rank r takes samples r, r+world, ...; shards of `per_shard` samples; part files; then merge."""
@@ -56,8 +62,8 @@ def make_store(folder: Path, samples: list[torch.Tensor], world: int = 2, per_sh
             w = ShardWriter(folder / shard_name(rank, world, k), chunk, [samples[i].shape[0] for i in chunk],
                             H * (1 + K), torch_dtype(dtype), {"format": FORMAT})
             for i in chunk:  # two writes per sample: rows may arrive in any batch split
-                w.write(samples[i][:1])
-                w.write(samples[i][1:])
+                w.write(samples[i][:1], argmax_of(samples[i])[:1])
+                w.write(samples[i][1:], argmax_of(samples[i])[1:])
             entries.append(w.close())
         write_json_atomic(folder / part_name(rank, world), {**header, "rank": rank, "planned_shards": len(chunks),
                                                             "shards": entries, "complete": True})
@@ -82,6 +88,7 @@ def test_round_trip_random_access(tmp_path: Path, samples: list[torch.Tensor], d
         want = samples[i].to(torch_dtype(dtype))
         assert last.dtype == torch_dtype(dtype)
         assert torch.equal(last, want[:, :H]) and torch.equal(aux, want[:, H:])
+        assert torch.equal(reader.target_argmax(i), argmax_of(samples[i]))
 
 
 def test_shard_is_plain_safetensors(tmp_path: Path, samples: list[torch.Tensor]) -> None:
@@ -89,14 +96,18 @@ def test_shard_is_plain_safetensors(tmp_path: Path, samples: list[torch.Tensor])
     make_store(tmp_path, samples, world=1, per_shard=4)
     with safe_open(str(tmp_path / shard_name(0, 1, 1)), framework="pt") as f:
         offsets, ids, feats = f.get_tensor("offsets"), f.get_tensor("sample_ids"), f.get_tensor("features")
+        argmax = f.get_tensor("target_argmax")
     assert ids.tolist() == [4, 5, 6, 7]
     assert offsets.tolist() == [0, *torch.tensor([samples[i].shape[0] for i in ids]).cumsum(0).tolist()]
     assert torch.equal(feats, torch.cat([samples[i] for i in ids]))
+    assert argmax.dtype == torch.int32 and torch.equal(argmax, torch.cat([argmax_of(samples[i]) for i in ids]))
 
 
 def test_writer_refuses_missing_rows_and_leaves_no_final_file(tmp_path: Path) -> None:
     w = ShardWriter(tmp_path / "s.safetensors", [0, 1], [3, 2], 4, torch.float32, {})
-    w.write(torch.zeros(3, 4))
+    w.write(torch.zeros(3, 4), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="unexpected rows"):
+        w.write(torch.zeros(2, 4), torch.zeros(1, dtype=torch.int32))  # an argmax id for every row
     with pytest.raises(ValueError, match="3 of 5 rows"):
         w.close()
     w.abort()
@@ -118,7 +129,7 @@ def test_corrupted_shard_named_by_verify_and_reader(tmp_path: Path, samples: lis
     make_store(tmp_path, samples)
     bad = tmp_path / shard_name(0, 2, 1)
     data = bytearray(bad.read_bytes())
-    data[-10] ^= 0xFF  # inside the feature rows: same size, the header still parses
+    data[-10] ^= 0xFF  # inside the argmax ids (the last tensor): same size, the header still parses
     bad.write_bytes(bytes(data))
     problems = verify(tmp_path)
     assert len(problems) == 1 and bad.name in problems[0] and "corrupted" in problems[0]
@@ -128,6 +139,15 @@ def test_corrupted_shard_named_by_verify_and_reader(tmp_path: Path, samples: lis
     with pytest.raises(StoreError, match=f"{bad.name}.*corrupted"):
         reader.sample(6)  # rank 0's second shard holds samples 6, 8, 10
     assert torch.equal(StoreReader(tmp_path, verify_checksums=False).sample(1)[0], samples[1][:, :H])
+
+
+def test_version_1_store_refused_with_the_fix(tmp_path: Path, samples: list[torch.Tensor]) -> None:
+    """A store from before target_argmax is named and the fix given, not read with ids missing."""
+    make_store(tmp_path, samples)
+    manifest = tmp_path / MANIFEST
+    write_json_atomic(manifest, {**json.loads(manifest.read_text()), "format_version": 1})
+    with pytest.raises(StoreError, match=f"{MANIFEST}: format_version 1 .*target_argmax.*re-extract"):
+        StoreReader(tmp_path)
 
 
 def test_missing_shard_named(tmp_path: Path, samples: list[torch.Tensor]) -> None:

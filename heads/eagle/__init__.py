@@ -24,7 +24,8 @@ EAGLE-3 (`Eagle3Head`, parameters named like SGLang's layout: `fc`, `midlayer.*`
     keys: step-0 keys at t' <= t (causal) plus the keys of steps 1..s at the same index t (`ttt_attention`),
     target: draft-vocab softmax of the target's logits at t+1+s (they predict x_{t+2+s}),
     mask: loss_mask[t+2+s] (the project convention: predicting token j uses loss_mask[j]; SpecForge's
-    `loss_mask[t+s]` is the same rule under its own, shifted, mask) times t2d[argmax of those logits],
+    `loss_mask[t+s]` is the same rule under its own, shifted, mask) times t2d[the target's argmax there]
+    (batch["target_argmax"], stored at extraction, so training computes only the draft vocab's logits),
     loss_s = -sum(mask * sum_v p log q) / (B*T);  loss = sum_s ttt_decay**s * loss_s.
   Metrics: `top1/s` = share of loss-masked positions (target argmax outside the draft vocab counted as
   misses) where the draft's argmax equals the target's argmax at step s; `n/s` their count.

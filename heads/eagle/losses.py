@@ -49,16 +49,22 @@ def _target_logits(target: TargetIO, last: torch.Tensor) -> torch.Tensor:
     return target.lm_head(last.to(w.dtype)).float()
 
 
+def _draft_vocab_logits(target: TargetIO, last: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """The target's logits at the draft vocab's ids only: lm_head's rows of those ids, not the full vocab
+    (at 1,024 of 49,152 ids, 48x fewer multiply-adds than full logits followed by a gather)."""
+    w = next(target.lm_head.parameters())
+    bias = getattr(target.lm_head, "bias", None)
+    return F.linear(last.to(w.dtype), w[draft_ids], None if bias is None else bias[draft_ids]).float()
+
+
 def _loss_eagle3(head: Eagle3Head, batch: dict, target: TargetIO) -> tuple[torch.Tensor, dict[str, float]]:
     ids, lmask = batch["input_ids"], batch["loss_mask"].float()
     b, t = ids.shape
     draft_ids = head.draft_ids()
     with torch.no_grad():
-        tl = _target_logits(target, batch["last"])
-        t_arg = tl.argmax(-1)  # target's greedy token after each position
-        p = tl[..., draft_ids].softmax(-1)  # the target's distribution restricted to the draft vocab
+        t_arg = batch["target_argmax"].long()  # the target's greedy token after each position (from the store)
+        p = _draft_vocab_logits(target, batch["last"], draft_ids).softmax(-1)  # restricted to the draft vocab
         in_vocab = head.t2d[t_arg].float()
-        del tl
     hidden = head.project(Features(last=batch["last"], aux=batch["aux"]))
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
