@@ -3,19 +3,19 @@
 #   ./scripts/quickstart.sh [OUT]        (default OUT=runs/quickstart)
 # 1. install the project into .venv (CPU torch pinned where there is no CUDA);
 # 2. the target writes its own training prompts (coding, math, writing, ... user turns; deduplicated, none
-#    overlapping a benchmark prompt), mixed with bundled GSM8K train questions;
+#    overlapping a benchmark prompt), mixed with bundled GSM8K train questions (45%);
 # 3. regenerate answers to them with the target itself (self-distillation);
 # 4. tokenize them and extract the target's hidden states into an offline store;
 # 5. train an EAGLE-3 head on that store (prints held-out per-step top-1 and simulated tau);
 # 6. evaluate the head + n-gram hybrid (and the head alone) with the exact speculative decoder; print the report.
 # Each stage resumes where it stopped if the script is interrupted and run again; each prints its time.
-# Knobs (environment): QS_PROMPTS (default 256), QS_MAX_NEW (answer tokens, default 160), QS_STEPS
+# Knobs (environment): QS_PROMPTS (default 448), QS_MAX_NEW (answer tokens, default 128), QS_STEPS
 # (training steps), QS_QUESTIONS (eval questions per benchmark, default 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/quickstart}"
-PROMPTS="${QS_PROMPTS:-256}"
-MAX_NEW="${QS_MAX_NEW:-160}"
+PROMPTS="${QS_PROMPTS:-448}"
+MAX_NEW="${QS_MAX_NEW:-128}"
 QUESTIONS="${QS_QUESTIONS:-4}"
 CONFIG=configs/smollm2-135m.yaml
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
