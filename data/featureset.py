@@ -8,7 +8,8 @@
 `batch` returns the training batch dict of the project conventions, right padded to the longest sample:
     input_ids [B, T] long, attention_mask [B, T] long, loss_mask [B, T] long,
     last [B, T, H] float32, aux [B, T, k*H] float32 (only when layer_ids is not empty),
-    target_argmax [B, T] long (the target's greedy next token at each position),
+    target_argmax [B, T] long (the target's greedy next token at each position; only `with_argmax`, for
+    heads whose loss reads it: online, it costs a full-vocab lm_head pass per batch),
 all on the CPU (the loop moves them), features and argmax zero on padding positions in both modes.
 
 cfg.features.mode picks the source:
@@ -38,11 +39,11 @@ class FeatureSet:
     """Samples of one tokenized split with their target features; see the module docstring."""
 
     def __init__(self, dataset: datasets.Dataset, layer_ids: list[int], pad_id: int = 0,
-                 reader: StoreReader | None = None, target_model: nn.Module | None = None):
+                 reader: StoreReader | None = None, target_model: nn.Module | None = None, with_argmax: bool = True):
         if (reader is None) == (target_model is None):
             raise ValueError("FeatureSet needs exactly one source: a store reader or a target model")
         self.dataset, self.layer_ids, self.pad_id = dataset, list(layer_ids), pad_id
-        self.reader, self.target_model = reader, target_model
+        self.reader, self.target_model, self.with_argmax = reader, target_model, with_argmax
         self.mode = "offline" if reader is not None else "online"
         self.lengths: list[int] = list(dataset["length"]) if len(dataset) else []
 
@@ -61,12 +62,13 @@ class FeatureSet:
             h = self.reader.hidden_size
             last = torch.zeros(b, t, h)
             aux = torch.zeros(b, t, self.reader.width - h) if self.layer_ids else None
-            argmax = torch.zeros(b, t, dtype=torch.long)
+            argmax = torch.zeros(b, t, dtype=torch.long) if self.with_argmax else None
             for j, i in enumerate(indices):
                 s_last, s_aux = self.reader.sample(int(i))
                 n = s_last.shape[0]
                 last[j, :n] = s_last.float()
-                argmax[j, :n] = self.reader.target_argmax(int(i))
+                if argmax is not None:
+                    argmax[j, :n] = self.reader.target_argmax(int(i))
                 if aux is not None:
                     aux[j, :n] = s_aux.float()
         else:
@@ -77,9 +79,11 @@ class FeatureSet:
             # Left on the target's device: the loop trains there, a trip through host memory would be waste.
             last = feats.last.masked_fill(~keep, 0).float()
             aux = None if feats.aux is None else feats.aux.masked_fill(~keep, 0).float()
-            argmax = greedy_ids(self.target_model, feats.last).long().masked_fill(~keep[..., 0], 0)
+            argmax = greedy_ids(self.target_model, feats.last).long().masked_fill(~keep[..., 0], 0) \
+                if self.with_argmax else None
         out["last"] = last
-        out["target_argmax"] = argmax
+        if argmax is not None:
+            out["target_argmax"] = argmax
         if aux is not None:
             out["aux"] = aux
         return out
@@ -123,7 +127,8 @@ def _check_store(reader: StoreReader, cfg: RunConfig, dataset: datasets.Dataset,
 
 
 def open_featureset(cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.Module | None, layer_ids: list[int],
-                    split_name: str, pad_id: int = 0, target: TargetIO | None = None) -> FeatureSet:
+                    split_name: str, pad_id: int = 0, target: TargetIO | None = None,
+                    with_argmax: bool = True) -> FeatureSet:
     """A FeatureSet over `dataset` in cfg.features.mode (see the module docstring for the checks).
 
     `target`: the loaded target's TargetIO when no model is given (offline training passes it), so a
@@ -132,9 +137,9 @@ def open_featureset(cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.
     if mode == "online":
         if target_model is None:
             raise ValueError("features.mode=online needs the target model (it computes the features)")
-        return FeatureSet(dataset, layer_ids, pad_id, target_model=target_model)
+        return FeatureSet(dataset, layer_ids, pad_id, target_model=target_model, with_argmax=with_argmax)
     if mode != "offline":
         raise ValueError(f"features.mode '{mode}' is not one of offline, online")
     reader = StoreReader(store_root(cfg) / split_name, verify_checksums=cfg.features.verify_on_read)
     _check_store(reader, cfg, dataset, target_model, layer_ids, target)
-    return FeatureSet(dataset, layer_ids, pad_id, reader=reader)
+    return FeatureSet(dataset, layer_ids, pad_id, reader=reader, with_argmax=with_argmax)

@@ -31,8 +31,9 @@ Each shard is one safetensors file holding whole samples, tokens packed back to 
 
 `last` and `aux` share one tensor so that a shard is written strictly front to back, batch after batch,
 hashing as it goes, with only one batch of features in memory (the header is written first: every size
-is known from the extraction plan); the argmax ids, 4 bytes a token, are kept and written last. The file is written under `NAME.tmp`, fsynced, then renamed, so a final
-name always means a complete file; a killed run leaves at most a `.tmp` that the next run deletes.
+is known from the extraction plan); the argmax ids, 4 bytes a token, are kept and written last. The file
+is written under `NAME.tmp`, fsynced, then renamed, so a final name always means a complete file; a
+killed run leaves at most a `.tmp` that the next run deletes.
 
 manifest.json (and each part file) records: format and version, split, the target (name, fingerprint
 from heads.base.target_fingerprint, revision/commit where known, hidden size, layers, vocab), layer ids,

@@ -126,6 +126,23 @@ def test_online_equals_offline(tiny_target, store) -> None:
         assert torch.equal(a["target_argmax"][~pad], greedy[~pad]) and a["target_argmax"][pad].abs().sum() == 0
 
 
+def test_argmax_only_for_heads_that_read_it(tiny_target, store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online, the argmax costs a full-vocab lm_head pass per batch: a head whose loss does not read it
+    (Medusa, MTP, EAGLE-1) gets batches without it, in both modes alike, and online never computes it."""
+    from heads import eagle, medusa, mtp
+
+    assert eagle.uses_target_argmax(eagle.Eagle3Config())
+    assert not eagle.uses_target_argmax(eagle.Eagle1Config())
+    assert not hasattr(medusa, "uses_target_argmax") and not hasattr(mtp, "uses_target_argmax")
+    model, tok, _ = tiny_target
+    cfg, ds = store
+    monkeypatch.setattr("data.featureset.greedy_ids", lambda *a: pytest.fail("argmax computed unasked"))
+    for mode in ("offline", "online"):
+        cfg.features.mode = mode
+        fs = open_featureset(cfg, ds, model, LAYERS, "train", pad_id=tok.pad_token_id, with_argmax=False)
+        assert "target_argmax" not in fs.batch([0, 29, 13])
+
+
 def test_store_for_other_layer_ids_refused(tiny_target, store) -> None:
     cfg, ds = store
     cfg.features.mode = "offline"

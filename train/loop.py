@@ -8,7 +8,8 @@
 Entry scripts call `main(argv, family=...)`. The loop knows a family only through its module in the
 registry (heads.base.family_module): `feature_layers`, `build`, `loss`, and, when the module has it,
 `prepare(head_cfg, train_dataset, target) -> {name: tensor}` (initial values for data-derived head
-tensors, e.g. a draft vocabulary mapping), loaded into the freshly built head.
+tensors, e.g. a draft vocabulary mapping), loaded into the freshly built head, and
+`uses_target_argmax(head_cfg)` (batches then carry the target's argmax; online features compute it only then).
 
 The algorithm (`train`): prepare, then for each optimizer step: step, log, maybe evaluate, maybe save.
 - prepare: the Accelerator (train/launch.py; `accelerate.utils.set_seed(seed)` once before anything
@@ -240,9 +241,11 @@ def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run
         train_ds, hold_ds = build_datasets(cfg, frozen.tokenizer)
     layer_ids = list(family.feature_layers(cfg.head, frozen.io.config))
     pad_id = frozen.tokenizer.pad_token_id if frozen.tokenizer.pad_token_id is not None else 0
-    train_fs = open_featureset(cfg, train_ds, frozen.model, layer_ids, "train", pad_id, target=frozen.io)
-    hold_fs = open_featureset(cfg, hold_ds, frozen.model, layer_ids, "holdout", pad_id,
-                              target=frozen.io) if len(hold_ds) else None
+    argmax = bool(getattr(family, "uses_target_argmax", lambda _: False)(cfg.head))
+    train_fs = open_featureset(cfg, train_ds, frozen.model, layer_ids, "train", pad_id, target=frozen.io,
+                               with_argmax=argmax)
+    hold_fs = open_featureset(cfg, hold_ds, frozen.model, layer_ids, "holdout", pad_id, target=frozen.io,
+                              with_argmax=argmax) if len(hold_ds) else None
     plan = make_plan(cfg, train_fs.lengths, accelerator.num_processes)
     head = build_head(cfg, family, train_ds, frozen.io)
     adamw = torch.optim.AdamW(head.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),

@@ -42,7 +42,7 @@ and `heads.base.family_module("eagle3").X` reach all of them):
     model.py    the re-implemented Llama layer (RMSNorm, Attention, MLP, DecoderLayer), ttt_attention,
                 masked_attention, rotary, Eagle1Head, Eagle3Head, build
     vocab.py    the draft vocabulary (draft_vocab_from_counts, token_counts) and prepare
-    losses.py   loss (EAGLE-1 and EAGLE-3 TTT), step_alignment
+    losses.py   loss (EAGLE-1 and EAGLE-3 TTT), step_alignment, uses_target_argmax
     drafting.py EagleDrafter (chain / EAGLE-2 dynamic tree of Candidate nodes), drafter, drafter_factory
 
 Run the unit tests with `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_alignment.py`.
@@ -59,7 +59,7 @@ from heads.eagle.config import (
     resolved_draft_vocab,
 )
 from heads.eagle.drafting import Candidate, CandidatePool, EagleDrafter, drafter, drafter_factory
-from heads.eagle.losses import loss, step_alignment
+from heads.eagle.losses import loss, step_alignment, uses_target_argmax
 from heads.eagle.model import (
     MLP,
     Attention,
@@ -79,5 +79,5 @@ __all__ = [
     "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "EagleDrafter", "RMSNorm", "build",
     "default_layer_ids", "draft_vocab_from_counts", "drafter", "drafter_factory", "feature_layers", "loss",
     "masked_attention", "prepare", "resolved_draft_vocab", "rotary", "shift_left", "step_alignment",
-    "token_counts", "ttt_attention",
+    "token_counts", "ttt_attention", "uses_target_argmax",
 ]
