@@ -10,8 +10,9 @@ What it does:
 - reads `regenerate.prompts` with data.readers (any format: plain prompts, MT-bench, ShareGPT, messages,
   a `datasets` name). Only system and user messages are kept; multi-turn records are answered turn by
   turn, each user turn seeing the target's OWN earlier answers (not the dataset's).
-- generates in batches of `regenerate.batch_size` with `model.generate` (left padding + attention mask,
-  stop at EOS or `max_new_tokens`); greedy when `temperature` is 0, else temperature / top-p sampling.
+- generates in batches of `regenerate.batch_size` (left padding + attention mask; a row leaves the batch
+  and its KV cache when it finishes; stop at EOS or `max_new_tokens`); greedy when `temperature` is 0, else
+  temperature / top-p sampling.
 - appends one ShareGPT line per finished conversation to OUT/<regenerate.output> (flush + fsync after
   each batch). A killed run rerun with the same command continues where it stopped: completed ids are
   read back, a trailing partial line is cut off, and the remaining prompts are generated in the same
@@ -53,13 +54,14 @@ from typing import Any
 import torch
 import yaml
 from tqdm import tqdm
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache
 
 from data.cli import cli_main, write_atomic
 from data.config import RegenerateConfig, RunConfig, parse_args, save_config, to_dict
 from data.readers import DataError, Record, read_records, to_sharegpt
 from data.sampling import target_distribution
 from data.target import load_model, load_tokenizer
+from heads.cache import cache_kwarg
 
 
 @dataclass
@@ -106,26 +108,22 @@ def turn_seed(seed: int, rid: str, turn: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-class RowSampler(LogitsProcessor):
-    """Temperature / top-p sampling with one torch.Generator per batch row.
+class RowSampler:
+    """Temperature / top-p sampling with one torch.Generator per row, keyed by the row's place in the batch.
 
-    `model.generate`'s own sampling draws all rows from one global generator, so a row's tokens would
-    depend on its batch neighbours. Here each row draws from its own seeded generator, and the processor
-    returns scores that are -inf everywhere except the drawn token, so generate runs in greedy mode and
-    simply takes that token.
-    """
+    One global generator would make a row's tokens depend on its batch neighbours (and on which of them
+    have already finished); here row i always draws from its own seeded generator."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float, device: torch.device):
         self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
         self.temperature = temperature
         self.top_p = top_p
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def __call__(self, rows: list[int], scores: torch.Tensor) -> torch.Tensor:
+        """One token per row of scores [len(rows), V]; rows[j] names the generator of scores[j]."""
         # transformers' own temperature / top-p warpers (data.sampling), as model.generate would sample
         probs = target_distribution(scores, self.temperature, top_p=self.top_p)
-        picks = torch.stack([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)])
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter(1, picks, 0.0)
+        return torch.cat([torch.multinomial(probs[j], 1, generator=self.generators[r]) for j, r in enumerate(rows)])
 
 
 def eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -194,21 +192,41 @@ def generate_texts(
     width = max(len(r) for r in rows)
     device = next(model.parameters()).device
     # Left padding: every row's last prompt token sits at the same column, so new tokens line up; the
-    # attention mask hides the pads and generate derives position ids from it (a row's first real token
-    # gets position 0), which is what keeps batched output equal to one-at-a-time output.
+    # attention mask hides the pads and positions count real tokens only (a row's first real token gets
+    # position 0), which is what keeps batched output equal to one-at-a-time output.
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     att = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
         att[i, width - len(r):] = 1
-    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
-    procs = LogitsProcessorList()
-    if seeds is not None:
-        procs.append(RowSampler(seeds, temperature, top_p, device))
+    ids, att = ids.to(device), att.to(device)
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    sampler = RowSampler(seeds, temperature, top_p, device) if seeds is not None else None
+    stop = torch.as_tensor(eos, device=device)
+    cache, kwarg = DynamicCache(config=model.config), cache_kwarg(model)
+    live = list(range(len(rows)))  # batch index -> row of texts; a row leaves the batch when it stops
+    new: list[list[int]] = [[] for _ in rows]
     with torch.no_grad():
-        out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), generation_config=gen_cfg,
-                             logits_processor=procs)
-    return decode_answers(tokenizer, out[:, width:].tolist(), eos)
+        for step in range(max_new_tokens):
+            logits = model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1,
+                           **{kwarg: cache}).logits[:, -1].float()
+            tok = sampler(live, logits) if sampler is not None else logits.argmax(-1)
+            for r, t in zip(live, tok.tolist()):
+                new[r].append(t)
+            going = ~torch.isin(tok, stop)
+            if step + 1 == max_new_tokens or not bool(going.any()):
+                break
+            if not bool(going.all()):
+                # Finished rows leave the batch (and the cache): model.generate would keep computing them
+                # to the longest row's end, which is most of the work when answer lengths vary.
+                keep = going.nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                att, pos, tok = att[keep], pos[keep], tok[keep]
+                live = [live[j] for j in keep.tolist()]
+            ids = tok.unsqueeze(1)
+            att = torch.cat([att, att.new_ones(len(live), 1)], dim=1)
+            pos = pos[:, -1:] + 1
+    return decode_answers(tokenizer, new, eos)
 
 
 def vllm_generate_batch(
