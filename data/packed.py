@@ -13,13 +13,25 @@ SmolLM2-135M took (ms, fp32, median of 30)
 so the whole target pass over n tokens, as eval.costs times it (1 thread, 53-token context), went from
 T(1..4, 8) = 55 / 90 / 110 / 86 / 96 ms dense to 59 / 75 / 78 / 82 / 92 ms with every linear packed. Verifying
 k drafted tokens is a pass over k+1 rows, so the dense curve priced drafting out unless acceptance was very
-high. Small matrices gain nothing (576 x 1536 at 1 thread: 0.07 ms dense, 0.09 packed: oneDNN's per-call
-overhead), so only matrices of at least MIN_PACKED_NUMEL weights are packed; for SmolLM2 that is the output
-projection (1 thread: T(1..4) 63 / 93 / 88 / 92 ms dense, 61 / 77 / 80 / 83 with it packed). Every speedup
-is measured against plain decoding on the same packed model.
+high. The decoder layers' matrices (576 x 1536 and smaller for SmolLM2) matter as much once they are read
+from memory, as in a real pass (30 layers, 540 MB of weights, none of it cached): with two threads the
+target pass over a 200-token context measured (ms, median of 25)
+
+    T(n), n =                               1      2      3      4      8
+    output projection packed, 2 threads   51.3   81.2   93.4   80.8   84.9
+    every matrix packed, 2 threads        51.8   62.4   64.8   67.9   77.7
+    output projection packed, 1 thread    54.7   84.6   92.9   78.4   93.1
+    every matrix packed, 1 thread         55.7   78.3   83.1   86.0   95.3
+
+so verifying one drafted token went from 1.6 to 1.2 times a plain pass on two threads. One row through
+a small packed matrix is slower than the dense kernel on one thread (T(1) 60.6 ms with every matrix packed
+and no exception), so matrices under MIN_PACKED_NUMEL send a single row to the dense kernel; the output
+projection (at least MIN_PACKED_NUMEL weights) is faster packed at every row count. Batched generation
+(32 rows) runs at the same speed either way. Every speedup is measured against plain decoding on the same
+packed model.
 
     from data.packed import pack_linears
-    n = pack_linears(model)        # every large nn.Linear on the CPU in float32 -> PackedLinear (in place)
+    n = pack_linears(model)        # every nn.Linear on the CPU in float32 -> PackedLinear (in place)
 
 `target.cpu_kernels: packed` (the default) applies it wherever the target decodes
 (`data.target.load_model(cfg, decode=True)`): eval, prompt writing, regeneration. A packed layer keeps its dense `weight`/`bias` (shared, so code that reads
@@ -35,14 +47,16 @@ import torch.nn.functional as F
 from torch import nn
 
 MIN_PACKED_NUMEL = 1 << 22  # 4M weights: an LLM's output projection, or every layer of a 4096-wide model
+MIN_SMALL_NUMEL = 1 << 16  # below this a matrix is not worth oneDNN's per-call overhead at any row count
 
 
 class PackedLinear(nn.Module):
     """An nn.Linear whose weight is also held in oneDNN's blocked layout for inference on the CPU."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, dense_single_row: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dense_single_row = dense_single_row  # one row (a plain decode step) takes the dense kernel
         self.weight = linear.weight  # the same Parameter: state_dict, tying and fingerprints are unchanged
         self.bias = linear.bias
         with torch.no_grad():
@@ -50,7 +64,8 @@ class PackedLinear(nn.Module):
             self._packed_bias = None if linear.bias is None else linear.bias.detach().to_mkldnn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
+                or (self.dense_single_row and x.numel() == self.in_features)):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features).contiguous().to_mkldnn()
         y = torch._C._nn.mkldnn_linear(rows, self._packed_weight, self._packed_bias).to_dense()
@@ -62,18 +77,20 @@ class PackedLinear(nn.Module):
 
 def can_pack(linear: nn.Module, min_numel: int | None = None) -> bool:
     """Whether `linear` is a plain nn.Linear worth packing: CPU, float32, oneDNN built in, and at least
-    min_numel weights (default MIN_PACKED_NUMEL)."""
-    least = MIN_PACKED_NUMEL if min_numel is None else min_numel
+    min_numel weights (default MIN_SMALL_NUMEL)."""
+    least = MIN_SMALL_NUMEL if min_numel is None else min_numel
     return (type(linear) is nn.Linear and torch.backends.mkldnn.is_available() and linear.weight.numel() >= least
             and linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32)
 
 
 def pack_linears(module: nn.Module, min_numel: int | None = None) -> int:
-    """Replace every packable nn.Linear under `module` (itself excluded) by a PackedLinear; return how many."""
+    """Replace every packable nn.Linear under `module` (itself excluded) by a PackedLinear; return how many.
+
+    Those under MIN_PACKED_NUMEL weights keep the dense kernel for a single row (see the module docstring)."""
     count = 0
     for name, child in module.named_children():
         if can_pack(child, min_numel):
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, PackedLinear(child, dense_single_row=child.weight.numel() < MIN_PACKED_NUMEL))
             count += 1
         else:
             count += pack_linears(child, min_numel)

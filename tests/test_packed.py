@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from data.config import TargetConfig
-from data.packed import MIN_PACKED_NUMEL, PackedLinear, pack_linears
+from data.packed import MIN_PACKED_NUMEL, MIN_SMALL_NUMEL, PackedLinear, pack_linears
 from data.target import load_model, load_target
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -51,14 +51,37 @@ def test_packed_linear_is_dense_under_autograd() -> None:
     assert lin.weight.grad is not None and x.grad is not None
 
 
-def test_only_large_float32_matrices_are_packed() -> None:
+def test_float32_matrices_above_the_small_floor_are_packed() -> None:
     big = nn.Linear(2048, MIN_PACKED_NUMEL // 2048)
-    model = nn.Sequential(nn.Linear(64, 64), big, nn.Linear(2048, 8).to(torch.bfloat16))
-    assert pack_linears(model) == 1 and isinstance(model[1], PackedLinear) and model[1].weight is big.weight
+    mid = nn.Linear(256, MIN_SMALL_NUMEL // 256)
+    model = nn.Sequential(nn.Linear(64, 64), mid, big, nn.Linear(2048, 8).to(torch.bfloat16))
+    assert pack_linears(model) == 2 and isinstance(model[1], PackedLinear) and isinstance(model[2], PackedLinear)
+    assert model[2].weight is big.weight and type(model[0]) is nn.Linear and type(model[3]) is nn.Linear
+    # a decode step's single row takes the dense kernel through the smaller matrices only
+    assert model[1].dense_single_row and not model[2].dense_single_row
+
+
+def test_single_row_takes_the_dense_kernel_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 16)
+    calls = []
+    real = torch._C._nn.mkldnn_linear
+    monkeypatch.setattr(torch._C._nn, "mkldnn_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.inference_mode():
+        for dense_single_row, want in ((True, [3]), (False, [1, 3])):
+            calls.clear()
+            packed = PackedLinear(lin, dense_single_row=dense_single_row)
+            one, three = torch.randn(1, 1, 32), torch.randn(1, 3, 32)
+            if dense_single_row:
+                assert torch.equal(packed(one), lin(one))  # bit for bit: the dense kernel
+            else:
+                torch.testing.assert_close(packed(one), lin(one), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed(three), lin(three), rtol=1e-5, atol=1e-5)
+            assert calls == want
 
 
 def test_load_model_packs_for_decoding_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("data.packed.MIN_PACKED_NUMEL", 0)  # pack the tiny target's matrices too
+    monkeypatch.setattr("data.packed.MIN_SMALL_NUMEL", 0)  # pack the tiny target's matrices too
     cfg = TargetConfig(name_or_path="tiny-random-llama", device="cpu")
     for packed in (load_model(cfg, decode=True), load_target(cfg, decode=True)[0]):
         assert any(isinstance(m, PackedLinear) for m in packed.modules())
