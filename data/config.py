@@ -172,7 +172,8 @@ def _default_domains() -> list[PromptDomain]:
     return [
         PromptDomain("coding", 1.0, "The user asks for help with a programming task.",
                      ["Write a Python function that", "How do I", "Write a program that", "Fix this code:"]),
-        PromptDomain("math", 1.0, "The user asks a math word problem.", ["A store", "If", "Tom has", "Solve"]),
+        PromptDomain("math", 1.0, "The user asks a math problem.",
+                     ["A store", "If", "Tom has", "Solve", "Find", "What is the area of"]),
         PromptDomain("writing", 1.0, "The user asks for a piece of writing.",
                      ["Write a short story about", "Write an email to", "Write a poem about", "Compose"]),
         PromptDomain("explain", 1.0, "The user asks a question about science, history or the world.",
@@ -181,6 +182,8 @@ def _default_domains() -> list[PromptDomain]:
                      ["Which", "Compare", "What are the pros and cons of", "Is it true that"]),
         PromptDomain("advice", 1.0, "The user asks for everyday advice.",
                      ["How can I", "What should I", "Give me tips", "I want to"]),
+        PromptDomain("roleplay", 1.0, "The user asks the assistant to play a character.",
+                     ["Pretend you are", "Imagine you are", "Act as", "You are a"]),
     ]
 
 

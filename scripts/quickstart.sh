@@ -3,20 +3,23 @@
 #   ./scripts/quickstart.sh [OUT]        (default OUT=runs/quickstart)
 # 1. install the project into .venv (CPU torch pinned where there is no CUDA);
 # 2. the target writes its own training prompts (coding, math, writing, ... user turns; deduplicated, none
-#    overlapping a benchmark prompt), mixed with bundled GSM8K train questions (45%);
+#    overlapping a benchmark prompt), mixed with bundled GSM8K train questions (40%);
 # 3. regenerate answers to them with the target itself (self-distillation);
 # 4. tokenize them and extract the target's hidden states into an offline store;
 # 5. train an EAGLE-3 head on that store (prints held-out per-step top-1 and simulated tau);
 # 6. evaluate the head + n-gram hybrid (and the head alone) with the exact speculative decoder; print the report.
 # Each stage resumes where it stopped if the script is interrupted and run again; each prints its time.
 # Knobs (environment): QS_PROMPTS (default 448), QS_MAX_NEW (answer tokens, default 128), QS_STEPS
-# (training steps), QS_QUESTIONS (eval questions per benchmark, default 4).
+# (training steps), QS_QUESTIONS (eval questions per benchmark, default 4), QS_THREADS (eval's torch threads,
+# default 0 = every core: the quickstart's numbers are for an otherwise idle machine, where a verify pass over
+# k+1 tokens costs far less with every core (data/packed.py); use 1 on a machine shared with other jobs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/quickstart}"
 PROMPTS="${QS_PROMPTS:-448}"
 MAX_NEW="${QS_MAX_NEW:-128}"
 QUESTIONS="${QS_QUESTIONS:-4}"
+THREADS="${QS_THREADS:-0}"
 CONFIG=configs/smollm2-135m.yaml
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
@@ -49,6 +52,6 @@ took
 
 stage "5/5 evaluate with the exact speculative decoder (head + n-gram, the head alone beside it)"
 $PY -m eval.run --head "$OUT/head" --drafter head+ngram --bench mt_bench,humaneval,gsm8k --max-questions "$QUESTIONS" \
-  --out "$OUT/eval"
+  --threads "$THREADS" --out "$OUT/eval"
 took
 cat "$OUT/eval/report.md"
