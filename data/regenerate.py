@@ -61,6 +61,7 @@ from data.config import RegenerateConfig, RunConfig, parse_args, save_config, to
 from data.readers import DataError, Record, read_records, to_sharegpt
 from data.sampling import target_distribution
 from data.target import load_model, load_tokenizer
+from data.tokenize import left_pad
 from heads.cache import cache_kwarg
 
 
@@ -189,17 +190,11 @@ def generate_texts(
     eos = sorted(set(eos_ids(model, tokenizer)) | set(stop_ids or []))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     rows = encode_texts(tokenizer, texts)
-    width = max(len(r) for r in rows)
     device = next(model.parameters()).device
     # Left padding: every row's last prompt token sits at the same column, so new tokens line up; the
     # attention mask hides the pads and positions count real tokens only (a row's first real token gets
     # position 0), which is what keeps batched output equal to one-at-a-time output.
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    att = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
-        att[i, width - len(r):] = 1
-    ids, att = ids.to(device), att.to(device)
+    ids, att = (x.to(device) for x in left_pad(rows, pad))
     pos = (att.cumsum(-1) - 1).clamp(min=0)
     sampler = RowSampler(seeds, temperature, top_p, device) if seeds is not None else None
     stop = torch.as_tensor(eos, device=device)

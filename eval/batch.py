@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from data.tokenize import left_pad
 from heads.base import Drafter, cache_kwarg
 from heads.cache import crop_to
 
@@ -55,22 +56,6 @@ class BatchResult:
     def tau(self) -> float:
         """Tokens per row per target pass, counting the corrected/bonus token (prefill's token excluded)."""
         return (self.tokens.shape[1] - 1) / max(self.passes, 1)
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token rows: (input_ids [B, L], attention_mask [B, L] with 1 on real tokens).
-
-    Example: rows [[5, 6, 7], [8]], pad 0 -> ids [[5, 6, 7], [0, 0, 8]], mask [[1, 1, 1], [0, 0, 1]].
-    """
-    if not rows or any(len(r) == 0 for r in rows):
-        raise ValueError("left_pad needs non-empty rows")
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 def _forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from eval.batch import batched_generate, left_pad, sweep
+from data.tokenize import left_pad
+from eval.batch import batched_generate, sweep
 from heads.base import DraftTree
 
 
