@@ -9,6 +9,8 @@ global batch B (micro-batches of B/2, two accumulation rounds) and two processes
 It relies on the loop's contract (train/loop.py): an optimizer step consumes the same global micro-batches
 whatever the process count, metrics.jsonl has a `start` event with world_size and `train` rows with the
 loss averaged over ranks, every rank writes final_params_digest.rank{R}.txt, and OUT/head holds the head.
+The launched runs go through tests/exit_probe.py (it runs the train/ entry script), which reports
+whether the run's process groups ended in its teardown; DDP and ZeRO-2 runs must leave none behind.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +31,7 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 ACCEL = REPO / "configs" / "accelerate"
+EXIT_PROBE = REPO / "tests" / "exit_probe.py"
 STEPS = 3
 # Global batch 4 = 2 sequences per micro-batch x (1 process x 2 rounds | 2 processes x 1 round).
 RUN_ARGS = [
@@ -48,10 +52,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _launch(accel_config: str, out: Path, env: dict[str, str], args: list[str] = RUN_ARGS,
             entry: str = "eagle.py") -> subprocess.Popen:
-    """2 processes of train/<entry> under `accelerate launch` with one of our launcher configs."""
+    """2 processes of train/<entry> under `accelerate launch` with one of our launcher configs, through
+    tests/exit_probe.py (which reports whether the run's process groups ended)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / accel_config),
            "--num_processes", "2", "--main_process_port", "0",  # 0: torch binds a free port itself
-           str(REPO / "train" / entry), *args, "--out", str(out)]
+           str(EXIT_PROBE), entry, *args, "--out", str(out)]
     return start(cmd, cwd=REPO, env=env)
 
 
@@ -60,13 +65,27 @@ def _single(out: Path) -> subprocess.Popen:
     return start(cmd, cwd=REPO, env=_env())
 
 
-def _finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
-    """Wait for proc; on timeout its whole process group is killed (tests/procs.py) and the test fails."""
+def _finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
+    """Wait for proc (its output); on timeout its whole process group is killed (tests/procs.py) and the
+    test fails."""
     try:
         rc, text = finish(proc, timeout)
     except TimeoutError as e:
         pytest.fail(f"{what}: {e}")
     assert rc == 0, f"{what} exited with {rc}; output tail:\n{text[-3000:]}"
+    return text
+
+
+def _assert_groups_ended(text: str, what: str) -> None:
+    """Both ranks' tests/exit_probe.py lines: gloo threads ran before teardown and none outlived the run.
+    A surviving group's threads are still running at interpreter shutdown, which now and then aborts a
+    finished run (SIGABRT, "terminate called without an active exception")."""
+    found = re.findall(r"^exit probe: rank (\d+), gloo threads before teardown (\d+), after the run \[(.*)\]$",
+                       text, re.MULTILINE)
+    assert sorted(r for r, _, _ in found) == ["0", "1"], f"{what}: no exit probe line per rank:\n{text[-3000:]}"
+    for rank, before, after in found:
+        assert int(before) > 0, f"{what}, rank {rank}: no gloo threads recognised before teardown"
+        assert after == "", f"{what}, rank {rank}: process-group threads outlived the run: {after}"
 
 
 def _metrics(out: Path) -> tuple[int, list[float]]:
@@ -102,8 +121,8 @@ def test_two_processes_with_half_batch_match_one_process(tmp_path: Path) -> None
     one, two = tmp_path / "one", tmp_path / "two"
     procs = [(_single(one), "1-process run"),
              (_launch("ddp.yaml", two, _env(ACCELERATE_USE_CPU="1")), "2-process DDP run")]
-    for proc, what in procs:
-        _finish(proc, what)
+    texts = {what: _finish(proc, what) for proc, what in procs}
+    _assert_groups_ended(texts["2-process DDP run"], "2-process DDP run")
 
     world1, loss1 = _metrics(one)
     world2, loss2 = _metrics(two)
@@ -274,8 +293,12 @@ def test_deepspeed_zero_on_cpu_matches_ddp(tmp_path: Path, accel_config: str) ->
     procs = [(_launch("ddp.yaml", ddp, _env(ACCELERATE_USE_CPU="1")), "DDP run"),
              # No ACCELERATE_USE_CPU here: with it accelerate silently drops DeepSpeed for plain CPU DDP.
              (_launch(accel_config, zero, _env()), f"{accel_config} run")]
-    for proc, what in procs:
-        _finish(proc, what, timeout=900)
+    texts = {what: _finish(proc, what, timeout=900) for proc, what in procs}
+    # With deepspeed installed, as here, DDP runs import it too (accelerate's unwrap_model does).
+    _assert_groups_ended(texts["DDP run"], "DDP run")
+    if accel_config == "deepspeed_zero2.yaml":
+        # Under ZeRO-3 DeepSpeed keeps its engine, and the groups with it, until exit (train/launch.py).
+        _assert_groups_ended(texts[f"{accel_config} run"], f"{accel_config} run")
     world_d, loss_d = _metrics(ddp)
     world_z, loss_z = _metrics(zero)
     assert world_d == world_z == 2

@@ -10,7 +10,11 @@ train.mixed_precision.
 
 from __future__ import annotations
 
+import gc
+import importlib
+import importlib.util
 import os
+import sys
 from typing import Any
 
 import torch
@@ -54,6 +58,13 @@ def make_accelerator(cfg: RunConfig) -> Accelerator:
     # must get no backend at all, or accelerate expects a process group that nobody started.
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
     kwargs = [InitProcessGroupKwargs(backend="gloo")] if multi and not torch.cuda.is_available() else []
+    if multi and importlib.util.find_spec("deepspeed") is not None:
+        # deepspeed keeps references to the process groups that exist when it is first imported (accelerate's
+        # unwrap_model imports it whenever it is installed, DDP runs included) and never drops them: the
+        # group then outlives teardown, and its gloo threads are still running at interpreter shutdown,
+        # which now and then aborts a finished run (SIGABRT, "terminate called without an active
+        # exception"). Imported before the group exists, it holds none.
+        importlib.import_module("deepspeed")
     accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, kwargs_handlers=kwargs)
     check_launch(accelerator.distributed_type)
     return accelerator
@@ -74,10 +85,26 @@ def apply_plan(accelerator: Accelerator, plan: Plan, cfg: RunConfig) -> None:
 
 
 def teardown(accelerator: Accelerator) -> None:
-    """Wait for every rank, destroy the process group, and stop telling transformers "DeepSpeed"."""
+    """Wait for every rank, release the run's models, end the process groups, and stop telling
+    transformers "DeepSpeed".
+
+    The groups must end here, while the interpreter is whole: a group that survives into interpreter
+    shutdown still has its gloo threads running there, which now and then aborts a finished run (SIGABRT,
+    "terminate called without an active exception"). destroy_process_group only drops torch's own
+    references, so the others go first: the caller's Run (gone by now), accelerate's prepared objects (DDP
+    holds the group), DeepSpeed's cached subgroups (deepspeed.comm's destroy drops them), and what deepspeed
+    takes on import (make_accelerator imports it before the group exists).
+    Under ZeRO-3 DeepSpeed still holds its engine, and with it the groups, until exit.
+    """
     accelerator.wait_for_everyone()
+    accelerator.free_memory()  # accelerate's references to the prepared model / optimizer / DeepSpeed engine
+    gc.collect()  # free_memory collects before it drops its lists; DDP sits in reference cycles
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        ds_comm = sys.modules.get("deepspeed.comm")
+        if ds_comm is not None and ds_comm.is_initialized():
+            ds_comm.destroy_process_group()  # also drops the subgroups DeepSpeed caches (deepspeed.utils.groups)
+        else:
+            torch.distributed.destroy_process_group()
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
         # accelerate told transformers "DeepSpeed"; a later model load in this process (eval_at_end)
         # must build an ordinary model.

@@ -37,7 +37,7 @@ The algorithm (`train`): prepare, then for each optimizer step: step, log, maybe
   written, `stopped by signal; state saved to DIR` is printed, and the process exits with code 0.
 - At the end every rank writes OUT/final_params_digest.rank{R}.txt: the SHA-256 of the head parameters it
   holds (identical on all ranks under DDP or ZeRO-2); the `end` event carries rank 0's digest and the
-  world size. The process group is destroyed at exit.
+  world size. Teardown (train/launch.py) then ends the process groups before the interpreter exits.
 """
 
 from __future__ import annotations
@@ -139,13 +139,20 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
     accelerator = make_accelerator(cfg)
     try:
         with StopSignals() as stop:
-            run = prepare(cfg, accelerator, checkpoint)
-            if checkpoint.ckpt is not None and run.start >= run.plan.total_steps:
-                return already_finished(run)
-            log_start(run)
-            return fit(run, stop, on_step)
+            # The Run (and the DDP/DeepSpeed model it holds) lives only in this call's frame, so it is gone
+            # when teardown destroys the process group (train/launch.py says why that order matters).
+            return _prepare_and_fit(cfg, accelerator, checkpoint, stop, on_step)
     finally:
         teardown(accelerator)
+
+
+def _prepare_and_fit(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume, stop: StopSignals,
+                     on_step: Callable[[int], None] | None) -> dict[str, Any]:
+    run = prepare(cfg, accelerator, checkpoint)
+    if checkpoint.ckpt is not None and run.start >= run.plan.total_steps:
+        return already_finished(run)
+    log_start(run)
+    return fit(run, stop, on_step)
 
 
 def fit(run: Run, stop: StopSignals, on_step: Callable[[int], None] | None) -> dict[str, Any]:
