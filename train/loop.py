@@ -139,8 +139,8 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
     accelerator = make_accelerator(cfg)
     try:
         with StopSignals() as stop:
-            # The Run (and the DDP/DeepSpeed model it holds) lives only in this call's frame, so it is gone
-            # when teardown destroys the process group (train/launch.py says why that order matters).
+            # The Run (and the DDP/DeepSpeed model it holds) lives only in _prepare_and_fit's frame, so it is
+            # gone when teardown ends the process groups (train/launch.py says why that order matters).
             return _prepare_and_fit(cfg, accelerator, checkpoint, stop, on_step)
     finally:
         teardown(accelerator)
