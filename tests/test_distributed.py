@@ -9,7 +9,7 @@ global batch B (micro-batches of B/2, two accumulation rounds) and two processes
 It relies on the loop's contract (train/loop.py): an optimizer step consumes the same global micro-batches
 whatever the process count, metrics.jsonl has a `start` event with world_size and `train` rows with the
 loss averaged over ranks, every rank writes final_params_digest.rank{R}.txt, and OUT/head holds the head.
-The launched runs go through tests/exit_probe.py (it runs the train/ entry script), which reports
+Every `accelerate launch` here goes through tests/exit_probe.py (it runs the train/ entry script), which reports
 whether the run's process groups ended in its teardown; DDP and ZeRO-2 runs must leave none behind.
 """
 
@@ -150,10 +150,10 @@ def test_two_machines_match_one_process(tmp_path: Path) -> None:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / "ddp.yaml"),
                "--num_machines", "2", "--machine_rank", machine, "--main_process_ip", "127.0.0.1",
                "--main_process_port", port, "--num_processes", "2",
-               str(REPO / "train" / "eagle.py"), *RUN_ARGS, "--out", str(two)]
+               str(EXIT_PROBE), "eagle.py", *RUN_ARGS, "--out", str(two)]
         procs.append((start(cmd, cwd=REPO, env=_env(ACCELERATE_USE_CPU="1")), f"machine {machine}"))
-    for proc, what in procs:
-        _finish(proc, what)
+    texts = {what: _finish(proc, what) for proc, what in procs}
+    _assert_groups_ended(texts["machine 0"] + texts["machine 1"], "2-machine DDP run")
     (world1, loss1), (world2, loss2) = _metrics(one), _metrics(two)
     assert (world1, world2) == (1, 2)
     assert loss2 == pytest.approx(loss1, rel=1e-5, abs=1e-6)
