@@ -13,9 +13,10 @@ The model (all times per target pass, one pass verifies the root plus the n draf
                                                          f = fraction of passes that draft at all (n-gram < 1)
     time(k)  = D(k) + f * T(k+1) + (1 - f) * T(1)        D(k) = draft_fixed + f * k * draft_per_token
     speedup  = E(k) * T(1) / time(k)                     plain decoding costs T(1) per token
-For a tree with n nodes and draft depth d the same holds with E = 1 + sum over nodes of P(node accepted),
-time = D(d) + T(n+1) (`predicted_tree_speedup`). With f = 1 and a flat T this is SCIENCE.md's
-E / (k*c + 1) with E = (1 - a^(k+1)) / (1 - a) for a constant a.
+For a tree with n nodes the same holds with E = 1 + sum over nodes of P(node accepted), time = D(n) + T(n+1)
+(`predicted_tree_speedup`). With f = 1 and a flat T this is SCIENCE.md's E / (k*c + 1) with
+E = (1 - a^(k+1)) / (1 - a) for a constant a (eval.speedup.flat_speedup). Every one of these, and eval.policy's
+per-pass choice, is E * T(1) / time through the one `speedup` function.
 """
 
 from __future__ import annotations
@@ -170,15 +171,28 @@ def expected_tokens(acceptance: Sequence[float], k: int, draft_rate: float = 1.0
     return 1.0 + draft_rate * total
 
 
+def speedup(tokens: float, seconds: float, plain_s: float) -> float:
+    """The one speedup formula: E tokens per pass of `seconds` against plain decoding's one per T(1) = plain_s.
+
+    Every prediction (choose_k, the report's speedup model, the tree's, the ideal one, eval.policy's per
+    pass) ends here; they differ only in how they get E and the pass's seconds.
+    """
+    return tokens * plain_s / seconds
+
+
+def pass_seconds(verify: VerifyCost, draft: DraftCost, nodes: float, draft_rate: float = 1.0) -> float:
+    """Expected seconds of one pass drafting `nodes` nodes in a share f = draft_rate of passes:
+    D(f * nodes) + f * T(nodes + 1) + (1 - f) * T(1) (the draft cost's fixed part is paid every pass)."""
+    return draft(draft_rate * nodes) + (draft_rate * verify(nodes + 1) + (1.0 - draft_rate) * verify(1))
+
+
 def predicted_speedup(
     acceptance: Sequence[float], k: int, verify: VerifyCost, draft: DraftCost, draft_rate: float = 1.0
 ) -> float:
-    """E(k) * T(1) / (D(k) + f*T(k+1) + (1-f)*T(1)), see the module docstring; k = 0 gives 1."""
+    """E(k) * T(1) / (D(f*k) + f*T(k+1) + (1-f)*T(1)), see the module docstring; k = 0 gives 1."""
     if k == 0:
         return 1.0
-    t = draft.fixed_s + draft_rate * k * draft.per_token_s
-    t += draft_rate * verify(k + 1) + (1.0 - draft_rate) * verify(1)
-    return expected_tokens(acceptance, k, draft_rate) * verify(1) / t
+    return speedup(expected_tokens(acceptance, k, draft_rate), pass_seconds(verify, draft, k, draft_rate), verify(1))
 
 
 def choose_k(
@@ -193,13 +207,14 @@ def choose_k(
     return best
 
 
-def predicted_tree_speedup(node_accept_probs: Sequence[float], depth: int, verify: VerifyCost, draft: DraftCost) -> float:
-    """Speedup of a tree: E = 1 + sum of P(node accepted), time = D(depth) + T(nodes + 1)."""
+def predicted_tree_speedup(node_accept_probs: Sequence[float], verify: VerifyCost, draft: DraftCost) -> float:
+    """Speedup of a tree of n nodes: E = 1 + sum of P(node accepted), time = D(n) + T(n + 1).
+
+    D is priced per drafted node, as calibrate fits it (the nodes, not the depth, of each pass)."""
     n = len(node_accept_probs)
     if n == 0:
         return 1.0
-    e = 1.0 + sum(node_accept_probs)
-    return e * verify(1) / (draft(depth) + verify(n + 1))
+    return speedup(1.0 + sum(node_accept_probs), pass_seconds(verify, draft, n), verify(1))
 
 
 def ideal_speedup(stats: GenerationStats, verify: VerifyCost, draft: DraftCost) -> float:
@@ -210,5 +225,4 @@ def ideal_speedup(stats: GenerationStats, verify: VerifyCost, draft: DraftCost) 
     """
     if not stats.nodes_per_pass:
         return 1.0
-    per_pass = statistics.fmean(draft(n) + verify(n + 1) for n in stats.nodes_per_pass)
-    return stats.tau * verify(1) / per_pass
+    return speedup(stats.tau, statistics.fmean(pass_seconds(verify, draft, n) for n in stats.nodes_per_pass), verify(1))

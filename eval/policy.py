@@ -44,7 +44,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from eval.costs import DraftCost, VerifyCost
+from eval.costs import DraftCost, VerifyCost, speedup
 from eval.decoder import GenerationStats
 from eval.speedup import extend_rates
 from heads.base import DraftTree
@@ -164,7 +164,8 @@ class AdaptivePolicy:
         return t
 
     def predicted_speedup(self, lengths: Mapping[str, int], reach: Mapping[str, list[float]] | None = None) -> float:
-        """E(l) * T(1) / time(l) for these per-proposer lengths (see the module docstring).
+        """E(l) * T(1) / time(l) for these per-proposer lengths (see the module docstring; eval.costs.speedup,
+        whose choose_k this equals for one chain proposer drafting every pass).
 
         reach[s][d-1] = P_s(d) may be passed in when it is already computed (choose prices many l at once).
         """
@@ -185,7 +186,7 @@ class AdaptivePolicy:
                 m = self._nodes(s, n)
                 t += self.costs[s](m)
                 nodes += m
-        return e * self._verify(1) / (t + self._verify(nodes))
+        return speedup(e, t + self._verify(nodes), self._verify(1))
 
     def best_lengths(self, sources: Sequence[str], limit: Mapping[str, int]) -> dict[str, int]:
         """The lengths (each 0..limit[s]) with the highest predicted_speedup; ties go to the shorter.
@@ -215,7 +216,7 @@ class AdaptivePolicy:
                     d = lb - 1
                     e += (1.0 - ra[d] if d < la else 1.0) * rb[d]
                 if la or lb:
-                    speed = e * t1 / (cost_a[la] + cost_b[lb] + self._verify(1 + nodes_a[la] + nodes_b[lb]))
+                    speed = speedup(e, cost_a[la] + cost_b[lb] + self._verify(1 + nodes_a[la] + nodes_b[lb]), t1)
                     if speed > best * (1 + 1e-9):
                         best, arg = speed, (la, lb)
         return dict(zip(sources, arg))

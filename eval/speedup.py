@@ -35,9 +35,9 @@ def extend_rates(rates: Sequence[float], k: int) -> list[float]:
 
 
 def flat_speedup(alpha: float, k: int, c: float) -> float:
-    """SCIENCE.md's closed form with a flat verify cost: (1 - a^(k+1)) / (1 - a) / (k*c + 1)."""
-    e = float(k + 1) if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return e / (k * c + 1)
+    """SCIENCE.md's closed form, (1 - a^(k+1)) / (1 - a) / (k*c + 1): the cost model with a flat verify cost
+    T = 1, a flat acceptance a and a draft cost of c per token."""
+    return predicted_speedup([alpha] * k, k, VerifyCost({1: 1.0}, 0), DraftCost(0.0, c))
 
 
 def speedup_model(
@@ -87,7 +87,7 @@ def speedup_model(
         # n equal node probabilities summing to tau - 1 give E = tau exactly in predicted_tree_speedup.
         probs = [(float(measured["tau"]) - 1.0) / tree_nodes] * tree_nodes
         out["tree"] = {"nodes": tree_nodes, "depth": int(measured["k"]), "tau": float(measured["tau"]),
-                       "predicted_speedup": predicted_tree_speedup(probs, int(measured["k"]), verify, draft)}
+                       "predicted_speedup": predicted_tree_speedup(probs, verify, draft)}
     return out
 
 

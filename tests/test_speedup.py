@@ -66,4 +66,4 @@ def test_tree_prediction_prices_the_measured_tau():
     verify = VerifyCost({1: 0.05, 16: 0.10}, 0)
     draft = DraftCost(0.0, 0.01)
     sm = speedup_model([0.5], 1.0, verify, draft, measured={"k": 4, "tau": 3.0, "speedup": 1.0}, tree_nodes=15)
-    assert sm["tree"]["predicted_speedup"] == pytest.approx(3.0 * 0.05 / (4 * 0.01 + 0.10))
+    assert sm["tree"]["predicted_speedup"] == pytest.approx(3.0 * 0.05 / (15 * 0.01 + 0.10))  # D per node
