@@ -7,7 +7,7 @@ top-p, min-p), so "exact" means exact against `model.generate`, not against a pr
 
     from data.sampling import target_distribution, sample_token
     p = target_distribution(logits, temperature=0.7, top_k=50, top_p=0.9)   # [..., V], rows sum to 1
-    tok = sample_token(p[-1], generator)
+    tok = sample_token(p[-1], generator)                                      # heads.sampling's draw
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+# The one draw (a single uniform, CDF inversion) is the drafters' too, so it lives in heads/ (below data/).
+from heads.sampling import sample_token, uniform
 
 __all__ = ["sample_token", "target_distribution", "uniform", "warpers"]
 
@@ -60,26 +63,3 @@ def target_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0
     x = logits.float().reshape(-1, logits.shape[-1])
     x = procs(None, x) if len(procs) else x
     return torch.softmax(x, dim=-1).reshape(logits.shape)
-
-
-def uniform(generator: torch.Generator | None, device: torch.device | str) -> float:
-    """One U[0, 1) draw from `generator` on the generator's own device (or `device` without one).
-
-    Generators live on a device: a CPU generator cannot draw a CUDA tensor and vice versa, so the draw happens
-    where the generator is and only the Python float comes back.
-    """
-    where = generator.device if generator is not None else device
-    return float(torch.rand((), generator=generator, device=where))
-
-
-def sample_token(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One draw from p [V] (non-negative, any positive sum) by inverting its CDF with a single uniform.
-
-    Same distribution as torch.multinomial(p, 1), at a fraction of its per-call cost on a CPU. Zero-probability
-    tokens are never returned: searchsorted(right=True) skips flat steps of the cumulative sum.
-    """
-    c = torch.cumsum(p, dim=0)
-    u = torch.tensor(uniform(generator, p.device), dtype=c.dtype, device=c.device) * c[-1]
-    i = int(torch.searchsorted(c, u, right=True))
-    # u < c[-1] in exact arithmetic; rounding can land on it, so fall back to the last possible token.
-    return i if i < c.numel() else int(torch.nonzero(p)[-1])

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from data.target import text_config
-from eval.decoder import sample_token
 from eval.kvcache import KVCache, new_kv
 from heads.base import DraftTree, Features
+from heads.sampling import draft_token
 
 __all__ = ["DeferredSync", "HybridDrafter", "ModelDrafter", "deterministic_q", "NgramDrafter", "layer_prefix_model", "self_speculative_drafter"]
 
@@ -146,11 +146,8 @@ class ModelDrafter:
         self.pending = []
         probs = []
         for step in range(k):
-            if temperature <= 0:
-                tok = int(logits.argmax())
-            else:
-                q = torch.softmax(logits.float() / temperature, dim=-1)
-                tok = sample_token(q, self.generator)
+            tok, q = draft_token(logits, temperature, self.generator)
+            if q is not None:
                 probs.append(q)
             self._draft.append(tok)
             if step < k - 1:

@@ -28,6 +28,7 @@ from torch import nn
 
 from heads.align import shift_targets
 from heads.base import HeadConfig, check_eval_tree
+from heads.sampling import draft_distribution
 from heads.tree import DEFAULT_CHOICES, StaticTree
 from heads.types import DraftTree, Features, TargetIO
 
@@ -178,7 +179,7 @@ class MedusaDrafter:
         tree = self.tree if k >= self.tree.depth else self.tree.truncate(k)
         logits = self.head(self.last, heads=tree.depth).float()  # [depth, V]
         candidates = logits.topk(tree.topk, dim=-1).indices  # temperature does not change the ranking
-        probs = torch.softmax(logits / temperature, dim=-1) if temperature > 0 else None
+        probs = draft_distribution(logits, temperature) if temperature > 0 else None
         return tree.build(candidates, probs)
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:

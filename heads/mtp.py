@@ -41,6 +41,7 @@ from transformers import DynamicCache
 from heads.align import shift_targets
 from heads.base import HeadConfig, check_eval_tree
 from heads.cache import cache_kwarg, cache_length, crop_to
+from heads.sampling import draft_token
 from heads.types import DraftTree, Features, TargetIO
 
 
@@ -298,12 +299,9 @@ class MTPDrafter:
             o = mod(emb, prev[start:n][None], pe, mask, cache=cache)[0]
             full = torch.cat([self.outs[s - 1][:start], o])  # o_s at positions 0..n-1
             logits = _logits(self.target, mod.norm(full[-1]))
-            if temperature > 0:
-                q = torch.softmax(logits / temperature, dim=-1)
-                tok = int(torch.multinomial(q, 1, generator=self.generator))
+            tok, q = draft_token(logits, temperature, self.generator)
+            if q is not None:
                 probs.append(q)
-            else:
-                tok = int(logits.argmax())
             tokens.append(tok)
             seq.append(tok)
             # Keep only positions whose inputs are all committed (p <= n-s) for the next draft.

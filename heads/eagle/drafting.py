@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from heads.base import check_eval_tree
 from heads.cache import crop_to
 from heads.eagle.model import masked_attention, rotary
+from heads.sampling import draft_distribution, draft_token
 from heads.types import DraftTree, Features, TargetIO
 
 
@@ -53,7 +54,7 @@ class CandidatePool:
         """The `top_k` best children of `parent` (-1 = the root) under `logits`; returns their pool indices."""
         base, depth = (0.0, 1) if parent < 0 else (self.nodes[parent].score, self.nodes[parent].depth + 1)
         if self.temperature > 0:
-            self.qs.append(torch.softmax(logits / self.temperature, dim=-1))
+            self.qs.append(draft_distribution(logits, self.temperature))
         top = logits.log_softmax(-1).topk(self.top_k)
         start = len(self.nodes)
         for val, idx in zip(top.values.tolist(), top.indices.tolist()):
@@ -161,12 +162,6 @@ class EagleDrafter:
         self.tree_tokens = []
         self._extend([int(t) for t in tokens] + [int(next_token)], features)
 
-    def _pick(self, logits: torch.Tensor, temperature: float) -> tuple[int, torch.Tensor | None]:
-        if temperature <= 0:
-            return int(logits.argmax()), None
-        q = torch.softmax(logits / temperature, dim=-1)
-        return int(torch.multinomial(q.cpu(), 1, generator=self.generator)), q
-
     @torch.no_grad()
     def draft(self, k: int, temperature: float) -> DraftTree:
         if self.last_logits is None:
@@ -188,7 +183,7 @@ class EagleDrafter:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for j in range(k):
-            tok_h, q = self._pick(logits, temperature)
+            tok_h, q = draft_token(logits, temperature, self.generator)
             tok = int(self.head.to_target_ids(torch.tensor(tok_h, device=self.device)))
             tokens.append(tok)
             if q is not None:
