@@ -50,6 +50,7 @@ from data.config import PromptsConfig, RunConfig, save_config, to_dict
 from data.readers import DataError, read_records
 from data.regenerate import check_settings, generate_texts, read_done, run_cli
 from data.target import load_model, load_tokenizer
+from data.tokenize import render_chat
 
 _BUNDLED = Path(__file__).resolve().parent / "bundled"
 # The eval stage's bundled benchmark prompts (eval/bench.py reads the same files): never train on them.
@@ -69,7 +70,7 @@ def user_turn_prefix(tokenizer: Any, system: str | None = None, template: str | 
     for s in _SENTINELS:
         msgs = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": s}]
         try:
-            text = tokenizer.apply_chat_template(msgs, tokenize=False, chat_template=template)
+            text = render_chat(tokenizer, msgs, template)
         except Exception as e:  # jinja raises whatever the template author chose (e.g. "system role not supported")
             raise DataError(f"chat template cannot render a user turn{' after a system hint' if system else ''}: "
                             f"{' '.join(str(e).split())}") from None

@@ -40,7 +40,6 @@ key, missing model or package) prints one `error:` line naming the place and exi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -59,9 +58,9 @@ from transformers import DynamicCache
 from data.cli import cli_main, write_atomic
 from data.config import RegenerateConfig, RunConfig, parse_args, save_config, to_dict
 from data.readers import DataError, Record, read_records, to_sharegpt
-from data.sampling import target_distribution
+from data.sampling import target_distribution, turn_seed
 from data.target import load_model, load_tokenizer
-from data.tokenize import left_pad
+from data.tokenize import left_pad, render_chat
 from heads.cache import cache_kwarg
 
 
@@ -103,12 +102,6 @@ def make_jobs(records: list[Record], system_prompt: str | None) -> tuple[list[Jo
     return jobs, no_user
 
 
-def turn_seed(seed: int, rid: str, turn: int) -> int:
-    """The sampling seed of one answer: a hash of (run seed, prompt id, turn), independent of batching."""
-    digest = hashlib.sha256(f"{seed}/{rid}/{turn}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
 class RowSampler:
     """Temperature / top-p sampling with one torch.Generator per row, keyed by the row's place in the batch.
 
@@ -141,7 +134,7 @@ def eos_ids(model: Any, tokenizer: Any) -> list[int]:
 
 def render_texts(tokenizer: Any, conversations: list[list[dict]]) -> list[str]:
     """Each conversation chat-templated with the generation prompt."""
-    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    return [render_chat(tokenizer, c, gen=True) for c in conversations]
 
 
 def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:

@@ -8,9 +8,12 @@ top-p, min-p), so "exact" means exact against `model.generate`, not against a pr
     from data.sampling import target_distribution, sample_token
     p = target_distribution(logits, temperature=0.7, top_k=50, top_p=0.9)   # [..., V], rows sum to 1
     tok = sample_token(p[-1], generator)                                      # heads.sampling's draw
+    gen = torch.Generator().manual_seed(turn_seed(run_seed, prompt_id, turn))   # one answer's own seed
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from transformers.generation.logits_process import (
@@ -24,7 +27,18 @@ from transformers.generation.logits_process import (
 # The one draw (a single uniform, CDF inversion) is the drafters' too, so it lives in heads/ (below data/).
 from heads.sampling import sample_token, uniform
 
-__all__ = ["sample_token", "target_distribution", "uniform", "warpers"]
+__all__ = ["sample_token", "target_distribution", "turn_seed", "uniform", "warpers"]
+
+
+def turn_seed(seed: int, *key: object) -> int:
+    """The sampling seed of one answer: a hash of (run seed, *key), e.g. (seed, prompt id, turn).
+
+    Stable across processes (Python's hash() of strings is salted per process) and independent of batching,
+    so an answer does not depend on its batch neighbours or on an interruption. Regeneration's derivation
+    (sha256 of "seed/id/turn", the first 8 bytes little-endian, 63 bits): its outputs depend on it.
+    """
+    digest = hashlib.sha256("/".join(str(x) for x in (seed, *key)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def warpers(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> LogitsProcessorList:

@@ -37,7 +37,9 @@ from data.readers import DataError, read_records
 from data.target import load_tokenizer
 
 
-def _render(tokenizer: Any, messages: list[dict], template: str | None, gen: bool) -> str:
+def render_chat(tokenizer: Any, messages: list[dict], template: str | None = None, gen: bool = False) -> str:
+    """The one chat rendering (training, prompt writing, regeneration, eval): the tokenizer's own template, or
+    `template`, as text; gen adds the generation prompt (the opening of the assistant's answer)."""
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=gen, chat_template=template
     )
@@ -50,13 +52,13 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template: str | None =
     "<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nYo<|im_end|>\\n";
     P_1 ends after "assistant\\n", so the span is "Yo<|im_end|>\\n".
     """
-    full = _render(tokenizer, messages, template, gen=False)
+    full = render_chat(tokenizer, messages, template, gen=False)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], template, gen=True) if i else ""
-        upto = _render(tokenizer, messages[: i + 1], template, gen=False)
+        before = render_chat(tokenizer, messages[:i], template, gen=True) if i else ""
+        upto = render_chat(tokenizer, messages[: i + 1], template, gen=False)
         if not upto.startswith(before) or not full.startswith(upto):
             raise DataError(
                 "chat template is not prefix-stable (rendering a conversation prefix does not give a prefix of "

@@ -45,7 +45,6 @@ import platform
 import random
 import sys
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +58,8 @@ from transformers.utils import logging as hf_logging
 from data.cli import UserError, cli_main
 from data.config import EvalConfig, RunConfig, TargetConfig, parse_args, save_config, to_dict
 from data.readers import read_records
-from data.regenerate import eos_ids
+from data.regenerate import eos_ids, render_rows
+from data.sampling import turn_seed
 from data.target import load_target
 from eval.batch import sweep
 from eval.bench import Question, bench_name, load_questions
@@ -222,14 +222,9 @@ def _hf_prompt_lookup(model: nn.Module, ids: torch.Tensor, k: int, max_new: int,
     return new, stats
 
 
-def _turn_seed(seed: int, bench: str, qid: str, turn: int) -> int:
-    """A per-turn seed stable across processes (Python's hash() of strings is salted per process)."""
-    return zlib.crc32(f"{seed}/{bench}/{qid}/{turn}".encode())
-
-
 def _render(tok: Any, messages: list[dict[str, str]], device: torch.device) -> torch.Tensor:
-    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-    return torch.tensor([list(ids)], dtype=torch.long, device=device)
+    """One conversation chat-templated with the generation prompt, as ids [1, T] (data.regenerate's rendering)."""
+    return torch.tensor(render_rows(tok, [messages]), dtype=torch.long, device=device)
 
 
 @dataclass
@@ -304,12 +299,12 @@ class _Turns:
         for t, turn in enumerate(q.turns):
             messages.append({"role": "user", "content": turn})
             ids = _render(tok, messages, self.target.device)
-            turn_seed = _turn_seed(self.seed, bench, q.id, t)
+            seed = turn_seed(self.seed, bench, q.id, t)
             if self.served is not None:
-                self.served.setdefault((f"{temp:g}", bench), []).append((ids[0].tolist(), turn_seed))
+                self.served.setdefault((f"{temp:g}", bench), []).append((ids[0].tolist(), seed))
             order = ["plain"] + methods
             r = self.turn_index % len(order)  # rotate who goes first: noise and warm caches hit all alike
-            results = {name: self.generate(name, ids, temp, turn_seed) for name in order[r:] + order[:r]}
+            results = {name: self.generate(name, ids, temp, seed) for name in order[r:] + order[:r]}
             plain_ids = results["plain"][0]
             for name, (new, st) in results.items():
                 same = bool(torch.equal(new.cpu(), plain_ids.cpu())) if temp == 0 else None
@@ -322,11 +317,10 @@ class _Turns:
                                 f"(plain {results['plain'][1].tokens_per_s:.1f})")
             bar.update(1)
 
-    def generate(self, name: str, ids: torch.Tensor, temp: float,
-                 turn_seed: int) -> tuple[torch.Tensor, GenerationStats]:
+    def generate(self, name: str, ids: torch.Tensor, temp: float, seed: int) -> tuple[torch.Tensor, GenerationStats]:
         """One method on one turn: (new ids, stats)."""
         model, eos, costs, max_new = self.target.model, self.target.eos, self.costs, self.cfg.max_new_tokens
-        gen = torch.Generator(device="cpu").manual_seed(turn_seed)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
         common = dict(max_new_tokens=max_new, temperature=temp, eos_token_id=eos, generator=gen)
         if name == "plain":
             return plain_generate(model, ids, **common)
@@ -514,9 +508,7 @@ def _batch_sweep(target: _Target, questions: dict[str, list[Question]], batch_si
                  sweep_new_tokens: int, log: Callable[[str], None]) -> dict[str, Any]:
     """report.json's `batch_sweep` (eval/batch.py) on every question's first turn, n-gram drafter per row."""
     tok = target.tok
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q.turns[0]}], tokenize=True,
-                                       add_generation_prompt=True, return_dict=False)
-               for qs in questions.values() for q in qs]
+    prompts = render_rows(tok, [[{"role": "user", "content": q.turns[0]}] for qs in questions.values() for q in qs])
     log(f"batch sweep: batch sizes {batch_sizes}, n-gram drafter per row, k {k}, {sweep_new_tokens} new tokens per row")
     return sweep(target.model, prompts, tok.pad_token_id if tok.pad_token_id is not None else target.eos[0],
                  batch_sizes, k, NgramDrafter, max_new_tokens=sweep_new_tokens,

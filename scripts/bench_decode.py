@@ -51,6 +51,7 @@ from tqdm import tqdm  # noqa: E402
 
 from data.cli import cli_main  # noqa: E402
 from data.config import TargetConfig  # noqa: E402
+from data.regenerate import render_rows  # noqa: E402
 from data.target import TargetLoadError, load_target  # noqa: E402
 from eval.costs import (  # noqa: E402
     VerifyCost,
@@ -95,8 +96,7 @@ def prompt_texts(n: int, offset: int = 0) -> list[tuple[str, str]]:
 
 
 def encode(tok, text: str) -> torch.Tensor:
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return torch.tensor([tok.encode(ids, add_special_tokens=False)])
+    return torch.tensor(render_rows(tok, [[{"role": "user", "content": text}]]))
 
 
 # ----------------------------------------------------------------------------------------------- runs

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from data.cli import cli_main  # noqa: E402
 from data.config import RunConfig, TargetConfig  # noqa: E402
 from data.readers import read_records  # noqa: E402
-from data.regenerate import eos_ids, make_jobs, regenerate  # noqa: E402
+from data.regenerate import eos_ids, make_jobs, regenerate, render_rows  # noqa: E402
 from data.target import load_model, load_tokenizer  # noqa: E402
 
 
@@ -48,8 +48,7 @@ def baseline(model, tok, prompts: list[str], max_new_tokens: int) -> tuple[list[
     answers, tokens = [], 0
     start = time.perf_counter()
     for p in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        ids = torch.tensor(render_rows(tok, [[{"role": "user", "content": p}]]))
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, eos_token_id=eos, pad_token_id=pad)
