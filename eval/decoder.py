@@ -174,7 +174,8 @@ class DraftPolicy(Protocol):
     reset(k): a new request starts; k is the calibrated draft length (speculative_generate's k).
     choose(drafter, budget) -> {proposer: length}: this pass's draft length per proposer, each <= budget
         (0 = that proposer drafts nothing); the decoder passes the largest to drafter.draft (none > 0: a
-        plain pass). A policy may set per-proposer caps on the drafter (HybridDrafter.budgets).
+        plain pass), and to a drafter of several proposers (SOURCES) the whole choice as draft's `budgets`
+        (HybridDrafter). The policy never changes the drafter itself.
     observe(tree, accepted, seconds): what the target accepted of the tree it verified, and how long that
         verify pass took (the root plus len(tree) tokens through the target, and the accept/reject step;
         None when not timed).
@@ -316,6 +317,40 @@ def plain_generate(
     return torch.tensor(out, dtype=torch.long), stats
 
 
+def _draft(drafter: Drafter, policy: DraftPolicy | None, k: int, budget: int, temperature: float,
+           stats: GenerationStats) -> DraftTree:
+    """This pass's draft: the policy's lengths per proposer (or k), handed to a multi-proposer drafter as its
+    `budgets` (HybridDrafter); an empty chain when nothing is drafted. The tree's shape is checked."""
+    chosen = {"draft": min(k, budget)} if policy is None else policy.choose(drafter, budget)
+    kk = max(chosen.values(), default=0)
+    if kk > budget:
+        raise ValueError(f"policy chose draft lengths {chosen} with only {budget} tokens left to make")
+    for src, n_src in chosen.items():
+        counts = stats.chosen_k.setdefault(src, {})
+        counts[n_src] = counts.get(n_src, 0) + 1
+    if kk <= 0:
+        return DraftTree.chain(torch.empty(0, dtype=torch.long))
+    multi = policy is not None and hasattr(drafter, "SOURCES")
+    tree = drafter.draft(kk, temperature, budgets=chosen) if multi else drafter.draft(kk, temperature)
+    if tree.parents.numel() != len(tree):
+        raise ValueError(f"DraftTree: {len(tree)} tokens but {tree.parents.numel()} parents")
+    if not is_chain(tree.parents):
+        check_parents(tree.parents.tolist())
+    return tree
+
+
+def _record(stats: GenerationStats, tree: DraftTree, accepted: list[int]) -> None:
+    """One verify pass into the stats: depths drafted, tested and accepted, and accepted tokens per proposer."""
+    n = len(tree)
+    # The level below the last accepted node (or the root) was tested iff that node has children.
+    last = accepted[-1] if accepted else -1
+    tested = len(accepted) + int(len(accepted) < n and bool((tree.parents == last).any()))
+    stats.record_pass(n, tree_depth(tree.parents), len(accepted), tested)
+    for a in accepted:
+        src = tree.sources[a] if tree.sources is not None else "draft"
+        stats.accepted_by_source[src] = stats.accepted_by_source.get(src, 0) + 1
+
+
 @torch.no_grad()
 def speculative_generate(
     model: nn.Module,
@@ -348,12 +383,10 @@ def speculative_generate(
         policy.reset(k)
     uses_drafter = k > 0 or policy is not None
     eos = _eos_set(eos_token_id)
-    capture = drafter.capture_layers
-    dev = ids.device
     stats = GenerationStats(generations=1)
     perf = time.perf_counter
     t0 = perf()
-    kv = new_kv(model, cache, capture, room=ids.shape[1] + max_new_tokens + k + 64)
+    kv = new_kv(model, cache, drafter.capture_layers, room=ids.shape[1] + max_new_tokens + k + 64)
     logits, feats = kv.run(ids, logits_to_keep=1)
     kv.keep(range(ids.shape[1]))
     out = [_next_token(logits[0, -1], temperature, top_k, top_p, generator)]
@@ -366,39 +399,19 @@ def speculative_generate(
     while not done:
         td = perf()
         # Never draft past max_new_tokens: the pass itself always adds one token.
-        budget = max_new_tokens - len(out) - 1
-        chosen = {"draft": min(k, budget)} if policy is None else policy.choose(drafter, budget)
-        kk = max(chosen.values(), default=0)
-        if kk > budget:
-            raise ValueError(f"policy chose draft lengths {chosen} with only {budget} tokens left to make")
-        for src, n_src in chosen.items():
-            counts = stats.chosen_k.setdefault(src, {})
-            counts[n_src] = counts.get(n_src, 0) + 1
-        tree = drafter.draft(kk, temperature) if kk > 0 else DraftTree.chain(torch.empty(0, dtype=torch.long))
+        tree = _draft(drafter, policy, k, max_new_tokens - len(out) - 1, temperature, stats)
         tv = perf()
         stats.draft_time_s += tv - td
-        n = len(tree)
-        if tree.parents.numel() != n:
-            raise ValueError(f"DraftTree: {n} tokens but {tree.parents.numel()} parents")
-        if not is_chain(tree.parents):
-            check_parents(tree.parents.tolist())
-        depth = tree_depth(tree.parents)
         # Built where the drafter left its tokens; the cache moves them (a static one without a host sync).
-        inp = torch.cat([tree.tokens.new_tensor([out[-1]]), tree.tokens])[None]
-        logits, feats = kv.run(inp, tree.parents)
+        logits, feats = kv.run(torch.cat([tree.tokens.new_tensor([out[-1]]), tree.tokens])[None], tree.parents)
         rows = logits[0] if temperature <= 0 else target_distribution(logits[0], temperature, top_k, top_p)
         accepted, nxt = verify_tree(tree, rows, temperature, generator)
-        # The pass added the root (kept) and the n nodes (keep the accepted ones, packed after the root).
-        kv.keep([0] + [a + 1 for a in accepted])
+        # The pass added the root (kept) and the nodes (keep the accepted ones, packed after the root).
+        path = [0] + [a + 1 for a in accepted]
+        kv.keep(path)
         verify_s = perf() - tv
         stats.verify_time_s += verify_s
-        # The level below the last accepted node (or the root) was tested iff that node has children.
-        last = accepted[-1] if accepted else -1
-        tested = len(accepted) + int(len(accepted) < n and bool((tree.parents == last).any()))
-        stats.record_pass(n, depth, len(accepted), tested)
-        for a in accepted:
-            src = tree.sources[a] if tree.sources is not None else "draft"
-            stats.accepted_by_source[src] = stats.accepted_by_source.get(src, 0) + 1
+        _record(stats, tree, accepted)
         if policy is not None:
             policy.observe(tree, accepted, verify_s)
         draft_tokens = tree.tokens.tolist()
@@ -410,8 +423,7 @@ def speculative_generate(
         if not done and uses_drafter:
             tc = perf()
             # Features of [root, accepted...] in path order: rows 0 and a+1 of this pass.
-            f = None if feats is None else feats.index(torch.tensor([0] + [a + 1 for a in accepted], device=dev))
-            drafter.commit(accepted, f, nxt)
+            drafter.commit(accepted, None if feats is None else feats.index(torch.tensor(path, device=ids.device)), nxt)
             stats.draft_time_s += perf() - tc
     stats.new_tokens = len(out)
     stats.total_time_s = perf() - t0

@@ -21,6 +21,7 @@ All three implement heads.base.Drafter (begin / draft / commit) and draft chains
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -56,7 +57,7 @@ class NgramDrafter:
         self.tokens: list[int] = []
         self.index: dict[int, dict[tuple[int, ...], int]] = {}
         self._draft: list[int] = []
-        self._device: torch.device = torch.device("cpu")
+        self.device: torch.device = torch.device("cpu")  # where its drafts go (the prompt's device)
 
     def _append(self, token: int) -> None:
         t = len(self.tokens)
@@ -67,7 +68,7 @@ class NgramDrafter:
                 self.index[n][tuple(self.tokens[t - n:t])] = t
 
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
-        self._device = prompt_ids.device
+        self.device = prompt_ids.device
         self.tokens, self.index = [], {n: {} for n in range(self.n_min, self.n_max + 1)}
         for t in prompt_ids.reshape(-1).tolist() + [next_token]:
             self._append(t)
@@ -84,8 +85,8 @@ class NgramDrafter:
     def draft(self, k: int, temperature: float) -> DraftTree:
         self._draft = self.lookup(k) if k > 0 else []
         if not self._draft:
-            return _empty_tree(self._device)
-        return DraftTree.chain(torch.tensor(self._draft, dtype=torch.long, device=self._device))
+            return _empty_tree(self.device)
+        return DraftTree.chain(torch.tensor(self._draft, dtype=torch.long, device=self.device))
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
         self.commit_tokens([self._draft[a] for a in accepted], features, next_token)
@@ -292,7 +293,8 @@ class HybridDrafter:
     Sync: both proposers commit the accepted path by its tokens (`commit_tokens`), so the head follows a path
     that came from an n-gram branch, reading the target's features of those positions as usual. The head is
     wrapped in DeferredSync: while a policy gives it depth 0 its commits wait for its next draft.
-    `budgets` (set by eval.policy.AdaptivePolicy each pass) caps each proposer's depth; None = both use k.
+    `budgets` (draft's argument: eval.policy.AdaptivePolicy's choice, passed by the decoder every pass) caps
+    each proposer's depth; None = both use k.
     """
 
     SOURCES = ("head", "ngram")
@@ -301,7 +303,6 @@ class HybridDrafter:
         self.head = head if isinstance(head, DeferredSync) else DeferredSync(head)
         self.ngram = ngram if ngram is not None else NgramDrafter()
         self.capture_layers = head.capture_layers
-        self.budgets: dict[str, int] | None = None
         self._tokens: list[int] = []
 
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
@@ -313,10 +314,10 @@ class HybridDrafter:
         """How deep `source` would draft with k allowed, if known before drafting (the n-gram's match), else None."""
         return len(self.ngram.lookup(k)) if source == "ngram" else None
 
-    def draft(self, k: int, temperature: float) -> DraftTree:
-        budgets = self.budgets or {}
+    def draft(self, k: int, temperature: float, budgets: Mapping[str, int] | None = None) -> DraftTree:
+        budgets = budgets or {}
         kh, kn = min(k, budgets.get("head", k)), min(k, budgets.get("ngram", k))
-        head = self.head.draft(kh, temperature) if kh > 0 else _empty_tree(self.ngram._device)
+        head = self.head.draft(kh, temperature) if kh > 0 else _empty_tree(self.ngram.device)
         tokens, parents = head.tokens.tolist(), head.parents.tolist()
         sources = ["head"] * len(tokens)
         child: dict[tuple[int, int], int] = {}

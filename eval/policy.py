@@ -6,7 +6,7 @@
     print(stats.chosen_k)        # {"draft": {0: passes without a draft, 1: ..., 2: ...}}
 
 For a HybridDrafter (eval.drafters) the proposers are "head" and "ngram", each with its own prior and draft
-cost, and the policy sizes both branches of every pass (setting the drafter's `budgets`).
+cost, and the policy sizes both branches of every pass (the decoder hands its choice to `draft` as `budgets`).
 
 The model (eval.costs, per proposer s and depth d, the estimate a_s(d) of P(depth d accepted | d-1 was)):
     a_s(d)   = (accepted_s(d) + w * prior_s(d)) / (judged_s(d) + w)     counts decay by `decay` per
@@ -246,8 +246,6 @@ class AdaptivePolicy:
                 if self.idle[s] >= self.gap[s]:  # re-probe (one cheap draft token), then wait twice as long
                     choice[s], self.idle[s] = probe[s], 0
                     self.gap[s] = min(2 * self.gap[s], MAX_PROBE_GAP_FACTOR * self.probe_every)
-        if hasattr(drafter, "budgets"):
-            drafter.budgets = dict(choice)
         return choice
 
     def observe(self, tree: DraftTree, accepted: list[int], seconds: float | None = None) -> None:

@@ -99,7 +99,7 @@ MUTANTS: list[Mutant] = [
            ("tests/test_sampling_drafters.py", "-k", "eagle_tree or medusa"), quick=True),
     Mutant("bonus_dropped_when_nothing_drafted", "eval/decoder.py",
            "[draft_tokens[a] for a in accepted] + [nxt], eos)",
-           "[draft_tokens[a] for a in accepted] + ([nxt] if n else []), eos)",
+           "[draft_tokens[a] for a in accepted] + ([nxt] if len(tree) else []), eos)",
            ("tests/test_decoder.py", "-k", "ngram_drafter or every_drafter", "--timeout=20")),
     # --- more of the same kind
     Mutant("resample_from_p_after_rejection", "eval/decoder.py",

@@ -65,8 +65,6 @@ class RandomPolicy:
     def choose(self, drafter, budget):
         choice = {s: 0 if self.rng.random() < self.p_zero else self.rng.randint(0, budget)
                   for s in getattr(drafter, "SOURCES", ("draft",))}
-        if hasattr(drafter, "budgets"):
-            drafter.budgets = dict(choice)
         return choice
 
     def observe(self, tree, accepted, seconds):
@@ -181,8 +179,7 @@ def test_hybrid_tree_merges_prefixes_and_tags_sources():
     tree = d.draft(4, 0.0)
     assert tree.tokens.tolist() == [2, 7, 3, 8, 9] and tree.parents.tolist() == [-1, 0, 1, 1, 3]
     assert tree.sources == ["head+ngram", "head+ngram", "head", "ngram", "ngram"] and tree.probs is None
-    d.budgets = {"head": 0, "ngram": 2}
-    assert d.draft(4, 0.0).tokens.tolist() == [2, 7]
+    assert d.draft(4, 0.0, budgets={"head": 0, "ngram": 2}).tokens.tolist() == [2, 7]
     assert d.proposal("ngram", 3) == 3 and d.proposal("head", 3) is None
 
 
@@ -207,7 +204,6 @@ def test_adaptive_policy_backs_off_and_reprobes():
 def test_a_known_proposal_is_reprobed_whole():
     class Proposals:
         SOURCES = ("head", "ngram")
-        budgets = None
 
         def proposal(self, source, k):
             return min(5, k) if source == "ngram" else None
