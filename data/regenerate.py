@@ -53,15 +53,14 @@ from typing import Any
 import torch
 import yaml
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from data.cli import cli_main, write_atomic
 from data.config import RegenerateConfig, RunConfig, parse_args, save_config, to_dict
+from data.kvcache import DynamicKV
 from data.readers import DataError, Record, read_records, to_sharegpt
 from data.sampling import target_distribution, turn_seed
 from data.target import load_model, load_tokenizer
 from data.tokenize import left_pad, render_chat
-from heads.cache import cache_kwarg
 
 
 @dataclass
@@ -184,20 +183,20 @@ def generate_texts(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     rows = encode_texts(tokenizer, texts)
     device = next(model.parameters()).device
-    # Left padding: every row's last prompt token sits at the same column, so new tokens line up; the
-    # attention mask hides the pads and positions count real tokens only (a row's first real token gets
-    # position 0), which is what keeps batched output equal to one-at-a-time output.
-    ids, att = (x.to(device) for x in left_pad(rows, pad))
-    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    # Left padding: every row's last prompt token sits at the same column, so new tokens line up; the cache
+    # (data.kvcache.DynamicKV, padded) hides the pads and counts positions of real tokens only, which is what
+    # keeps batched output equal to one-at-a-time output. Built from the model config: sliding-window layers
+    # keep only their window (generation only appends).
+    ids, att = left_pad(rows, pad)
     sampler = RowSampler(seeds, temperature, top_p, device) if seeds is not None else None
     stop = torch.as_tensor(eos, device=device)
-    cache, kwarg = DynamicCache(config=model.config), cache_kwarg(model)
+    kv = DynamicKV(model, windowed=True)
     live = list(range(len(rows)))  # batch index -> row of texts; a row leaves the batch when it stops
     new: list[list[int]] = [[] for _ in rows]
     with torch.no_grad():
         for step in range(max_new_tokens):
-            logits = model(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1,
-                           **{kwarg: cache}).logits[:, -1].float()
+            logits = kv.run(ids, logits_to_keep=1, pad=att if step == 0 else None)[0][:, -1].float()
+            kv.keep(range(ids.shape[1]))
             tok = sampler(live, logits) if sampler is not None else logits.argmax(-1)
             for r, t in zip(live, tok.tolist()):
                 new[r].append(t)
@@ -208,12 +207,10 @@ def generate_texts(
                 # Finished rows leave the batch (and the cache): model.generate would keep computing them
                 # to the longest row's end, which is most of the work when answer lengths vary.
                 keep = going.nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                att, pos, tok = att[keep], pos[keep], tok[keep]
+                kv.select(keep)
+                tok = tok[keep]
                 live = [live[j] for j in keep.tolist()]
             ids = tok.unsqueeze(1)
-            att = torch.cat([att, att.new_ones(len(live), 1)], dim=1)
-            pos = pos[:, -1:] + 1
     return decode_answers(tokenizer, new, eos)
 
 

@@ -33,11 +33,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
+from data.kvcache import DynamicKV
 from data.tokenize import left_pad
-from heads.base import Drafter, cache_kwarg
-from heads.cache import crop_to
+from heads.base import Drafter
 
 
 @dataclass
@@ -56,18 +55,6 @@ class BatchResult:
     def tau(self) -> float:
         """Tokens per row per target pass, counting the corrected/bonus token (prefill's token excluded)."""
         return (self.tokens.shape[1] - 1) / max(self.passes, 1)
-
-
-def _forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-    """Run `ids` [B, n] after what `cache` holds; `mask` covers cache + ids. Returns logits [B, n, V].
-
-    Positions count real tokens only (left padding takes none): a row's token at mask column j has
-    position mask[:, :j+1].sum() - 1, so a padded row's first real token is position 0 as in plain decoding.
-    """
-    n = ids.shape[1]
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -n:]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
-    return out.logits
 
 
 def _chain_tokens(drafter: Drafter, k: int) -> list[int]:
@@ -96,9 +83,10 @@ def batched_generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id)
-    ids, mask = ids.to(device), mask.to(device)
-    cache = DynamicCache()
-    logits = _forward(model, ids, mask, cache)
+    # One cache for all rows, left padded: it keeps the rows' mask and counts positions of real tokens only.
+    kv = DynamicKV(model)
+    logits = kv.run(ids, pad=mask)[0]
+    kv.keep(range(ids.shape[1]))
     root = logits[:, -1].argmax(-1)  # [B]: the first new token of every row (from prefill, not timed)
     emitted = [root[:, None]]
     n_out = 1
@@ -118,9 +106,7 @@ def batched_generate(
         # Fillers: pad shorter drafts with the row's root; they are excluded from acceptance below.
         block = [[int(root[i])] + d + [int(root[i])] * (width - len(d)) for i, d in enumerate(drafts)]
         x = torch.tensor(block, dtype=torch.long, device=device) if width else root[:, None]
-        before = cache.get_seq_length()
-        mask = torch.cat([mask, mask.new_ones((mask.shape[0], x.shape[1]))], dim=1)
-        g = _forward(model, x, mask, cache).argmax(-1)  # [B, width+1]; g[:, i] follows x[:, :i+1]
+        g = kv.run(x)[0].argmax(-1)  # [B, width+1]; g[:, i] follows x[:, :i+1]
         passes += 1
         m = width
         for i, d in enumerate(drafts):
@@ -128,9 +114,7 @@ def batched_generate(
             while a < len(d) and d[a] == int(g[i, a]):
                 a += 1
             m = min(m, a)
-        keep = before + m + 1  # root and the m drafts every row accepted
-        crop_to(cache, keep)
-        mask = mask[:, :keep]
+        kv.keep(range(m + 1))  # root and the m drafts every row accepted
         emitted.append(g[:, : m + 1])
         n_out += m + 1
         root = g[:, m]

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from data.kvcache import new_kv
 from eval.decoder import GenerationStats, speculative_generate
-from eval.kvcache import new_kv
 from heads.base import Drafter
 
 DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
@@ -96,7 +96,7 @@ def measure_verify_cost(
 ) -> VerifyCost:
     """Time the target forward of k new tokens (all logits, as the decoder verifies) on a fixed cache.
 
-    The cache ("dynamic" or "static", eval.kvcache) holds `context_len` random tokens; each timed forward is
+    The cache ("dynamic" or "static", data.kvcache) holds `context_len` random tokens; each timed forward is
     dropped again, so every repeat sees the same context. One untimed warm-up forward per k (on CUDA it
     captures the static cache's graph); CUDA work is synchronised around each timed forward.
     """

@@ -38,7 +38,7 @@ so it stays in sync and can draft again later). The policy only decides WHAT is 
 judged, so the output is the same whatever it chooses (tests/test_policy.py, down to a random policy).
 
 KV cache (`cache=`): "dynamic" is transformers' DynamicCache; "static" preallocates every layer and, on CUDA,
-replays each verify size as a captured CUDA graph (eval.kvcache, which also owns the rollback). Both give the
+replays each verify size as a captured CUDA graph (data.kvcache, which also owns the rollback). Both give the
 same tokens; the exactness tests run on both.
 """
 
@@ -52,8 +52,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from data.kvcache import KVCache, new_kv
 from data.sampling import sample_token, target_distribution, uniform
-from eval.kvcache import KVCache, new_kv
 from heads.base import Drafter, DraftTree
 from heads.tree import check_parents, is_chain, tree_depth
 
@@ -373,7 +373,7 @@ def speculative_generate(
     starting point and the policy picks every pass's length (the drafter is begun and committed every pass).
     Sampling uses `generator` for every target-side draw (the drafter keeps its own). Returns (new token
     ids [n] long, GenerationStats); stops after an eos token (kept) or max_new_tokens, exactly like
-    plain_generate with the same arguments. cache: "dynamic", "static" (eval.kvcache; static forwards are
+    plain_generate with the same arguments. cache: "dynamic", "static" (data.kvcache; static forwards are
     CUDA graphs on CUDA) or a cache object to reuse (see `new_kv`).
     """
     ids = _check_inputs(input_ids, max_new_tokens)

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from data.kvcache import KVCache, new_kv
 from data.target import text_config
-from eval.kvcache import KVCache, new_kv
 from heads.base import DraftTree, Features
 from heads.sampling import draft_token
 
@@ -105,7 +105,7 @@ class ModelDrafter:
     plus the next token. Example: pending [r], k 3, accepted 2 -> cache keeps r d1 d2, pending [next].
     At temperature 0 drafts are argmax (probs None); otherwise sampled from q = softmax(logits / T) with the
     drafter's own generator, and q is returned (over the TARGET vocab) for the exact acceptance rule.
-    cache "dynamic" or "static" (eval.kvcache: preallocated, CUDA graphs on CUDA).
+    cache "dynamic" or "static" (data.kvcache: preallocated, CUDA graphs on CUDA).
     """
 
     capture_layers = None

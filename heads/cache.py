@@ -5,6 +5,8 @@
     block(x, **{cache_kwarg(block): cache})   # a transformers decoder layer appends to it itself (MTP)
     cache_length(cache)                  # rows held (by the filled layer, whatever its index)
     crop_to(cache, n)                    # keep the first n rows of every layer: drop draft rows after a draft
+    tree_mask(past, ancestors, positions, dtype, window=w)   # the additive mask of new rows (additive_mask: the
+                                         # one mask builder, the decoder's caches and the MTP drafter alike)
 
 Why these shims: transformers renamed the forward argument `past_key_values` to `cache` between 5.17 (the GPU
 image) and 5.24 (pinned here), and silently ignores the wrong name; and `crop(n)` with n > 0 was a target LENGTH in
@@ -23,6 +25,7 @@ import functools
 import inspect
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:  # heads.base re-exports cache_kwarg, and config parsing imports heads.base: no transformers here
@@ -40,6 +43,45 @@ def crop_to(cache: DynamicCache, length: int) -> None:
         remove = layer.get_seq_length() - length
         if remove > 0:
             layer.crop(-remove)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, q_pos: torch.Tensor | None = None,
+                  k_pos: torch.Tensor | None = None, window: int | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The one attention-mask builder: bool `allowed` [q, K] -> additive mask [1, 1, q, K] of `dtype` (0 = attend,
+    dtype's min = blocked; eager and SDPA read it alike). With a `window` (a sliding-window layer) a key more
+    than window - 1 positions before its query is blocked too: positions q_pos [q] and k_pos [K]. `out`, a
+    [1, 1, q, K] buffer (a static cache's, replayed by a CUDA graph), is written in place and returned."""
+    if window is not None:
+        allowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < window)
+    out = torch.zeros((1, 1, *allowed.shape), dtype=dtype, device=allowed.device) if out is None else out.zero_()
+    return out.masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
+
+
+def tree_mask(past: int, ancestors: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+              width: int | None = None, window: int | None = None,
+              out: torch.Tensor | dict[str, torch.Tensor] | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The mask of q new rows after `past` committed ones: row i sees every committed key and, among the new
+    rows, those `ancestors` [q, q] marks (itself included; a lower triangle for a chain). Keys from past + q on
+    (a static cache's unused slots, up to `width`) are blocked. positions [q] are the new rows' positions.
+
+    Without a window one mask [1, 1, q, width]; with one, transformers' pair for mixed models:
+    {"full_attention": ..., "sliding_attention": ...}. `out` (the same structure) is filled in place.
+    """
+    q = ancestors.shape[0]
+    width = past + q if width is None else width
+    allowed = torch.zeros(q, width, dtype=torch.bool, device=ancestors.device)
+    allowed[:, :past] = True
+    allowed[:, past:past + q] = ancestors
+    full_out = out["full_attention"] if isinstance(out, dict) else out
+    full = additive_mask(allowed, dtype, out=full_out)
+    if window is None:
+        return full
+    k_pos = torch.arange(width, device=ancestors.device)
+    k_pos[past:past + q] = positions
+    sliding = additive_mask(allowed, dtype, positions, k_pos, window,
+                            out=out["sliding_attention"] if isinstance(out, dict) else None)
+    return {"full_attention": full, "sliding_attention": sliding}
 
 
 def cache_kwarg(module: nn.Module) -> str:

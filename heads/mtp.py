@@ -40,7 +40,7 @@ from transformers import DynamicCache
 
 from heads.align import shift_targets
 from heads.base import HeadConfig, check_eval_tree
-from heads.cache import cache_kwarg, cache_length, crop_to
+from heads.cache import additive_mask, cache_kwarg, cache_length, crop_to
 from heads.sampling import draft_token
 from heads.types import DraftTree, Features, TargetIO
 
@@ -77,11 +77,7 @@ def causal_mask(q_pos: torch.Tensor, k_len: int, window: int | None, dtype: torc
     """Additive mask [1, 1, q, k]: query at absolute position q_pos[i] sees keys 0..q_pos[i] (and, for a
     sliding-window layer, only the last `window` of them, as transformers' sliding masks do)."""
     k_pos = torch.arange(k_len, device=q_pos.device)
-    allowed = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        allowed &= q_pos[:, None] - k_pos[None, :] < window
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    return additive_mask(k_pos[None, :] <= q_pos[:, None], dtype, q_pos, k_pos, window)
 
 
 class MTPModule(nn.Module):

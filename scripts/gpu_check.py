@@ -51,10 +51,10 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from data.config import load_config  # noqa: E402
 from data.features import forward_features, greedy_ids  # noqa: E402
+from data.kvcache import CACHE_KINDS, new_kv  # noqa: E402
 from data.target import target_io  # noqa: E402
 from eval.costs import measure_verify_cost  # noqa: E402
 from eval.decoder import plain_generate, speculative_generate  # noqa: E402
-from eval.kvcache import CACHE_KINDS, new_kv  # noqa: E402
 from heads.base import DraftTree, family_module  # noqa: E402
 
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -15,6 +15,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from data.config import TargetConfig
 from data.features import FeatureCapture
+from data.kvcache import CACHE_KINDS, DynamicKV, StaticKV, new_kv, rollback_cache
 from data.target import byte_tokenizer, load_model, tiny_config
 from eval.costs import (
     DraftCost,
@@ -33,7 +34,6 @@ from eval.decoder import (
     verify_tree,
 )
 from eval.drafters import ModelDrafter, NgramDrafter, layer_prefix_model, self_speculative_drafter
-from eval.kvcache import CACHE_KINDS, DynamicKV, StaticKV, new_kv, rollback_cache
 from heads.base import DraftTree, Features
 from heads.tree import DEFAULT_CHOICES, StaticTree, is_chain, tree_depth, tree_layout
 

@@ -1,12 +1,18 @@
-"""The KV caches the decoder verifies with: dynamic (transformers' DynamicCache) or static (preallocated, fixed-size
-forwards, captured as CUDA graphs on CUDA). Both keep the same small protocol, so the decoder loop and the draft
-model run unchanged on either:
+"""The one KV-cache protocol of a causal LM: dynamic (transformers' DynamicCache) or static (preallocated,
+fixed-size forwards, captured as CUDA graphs on CUDA). The speculative decoder and plain decoding
+(eval.decoder), the verify-cost probe (eval.costs), the draft models (eval.drafters), the batch sweep
+(eval.batch) and generation (data.regenerate) all decode through it, so the loops run unchanged on either:
 
     kv = new_kv(model, "static", capture=(2, 16, 29), room=prompt_len + max_new_tokens + k + 1)
     logits, feats = kv.run(ids)          # ids [1, q]: q new rows after the kv.length committed ones (chain)
     logits, feats = kv.run(ids, parents) # rows 1..q-1 form a tree below row 0 (heads.tree conventions)
     kv.keep([0, 2, 3])                   # commit these new rows, packed in order; the others are dropped
     kv.truncate(n)                       # forget committed rows past the first n
+    kv = DynamicKV(model); kv.run(ids, pad=mask)  # B left-padded rows (batch sweep, generation; see DynamicKV)
+
+The heads' own drafters (heads/) are not causal LMs and keep a DynamicCache directly, through the same
+shims (heads.cache: the cache argument's name, cropping, and `tree_mask`, the one mask builder used here too).
+Run its tests: .venv/bin/python -m pytest -q tests/test_decoder.py -k cache
 
 `logits` [1, q, V] (or [1, 1, V] with logits_to_keep=1) and `feats` (the `capture` layers, see
 data.features) of a static cache are its own buffers: read them before the next `run`.
@@ -42,6 +48,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from data.features import FeatureCapture
 from data.target import text_config
 from heads.base import Features, cache_kwarg
+from heads.cache import tree_mask
 from heads.tree import is_chain, tree_layout
 
 __all__ = ["CACHE_KINDS", "DynamicKV", "KVCache", "StaticKV", "new_kv", "rollback_cache", "sliding_window"]
@@ -83,18 +90,13 @@ def _gather(layers: Sequence[Any], base: int, keep: Sequence[int]) -> None:
             layer.values[:, :, base:base + m] = layer.values.index_select(2, idx)
 
 
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool [q, K] -> additive float mask [1, 1, q, K] (0 = attend, dtype min = blocked; eager and SDPA)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
-
-
 class KVCache(Protocol):
     """What the decoder and the draft model ask of a cache (see the module docstring)."""
 
     length: int  # committed rows
 
-    def run(self, ids: torch.Tensor, parents: torch.Tensor | None = None,
-            logits_to_keep: int = 0) -> tuple[torch.Tensor, Features | None]: ...
+    def run(self, ids: torch.Tensor, parents: torch.Tensor | None = None, logits_to_keep: int = 0,
+            pad: torch.Tensor | None = None) -> tuple[torch.Tensor, Features | None]: ...
 
     def keep(self, rows: Sequence[int]) -> None: ...
 
@@ -104,17 +106,28 @@ class KVCache(Protocol):
 # ----------------------------------------------------------------------------------------------- dynamic
 class DynamicKV:
     """transformers' DynamicCache, built without the model config so every layer is a full DynamicLayer that can be
-    cropped at any length; sliding-window layers get their window from the mask (trees) or the model (chains)."""
+    cropped at any length; sliding-window layers get their window from the mask (trees) or the model (chains).
 
-    def __init__(self, model: nn.Module, capture: Sequence[int] | None = None):
+    Batches (B rows: the batch sweep, generation) may be left padded: the first pass gives `pad`, its [B, T]
+    attention mask (0 = padding), and the cache keeps the mask of its committed rows, so every pass sees the
+    committed mask plus its new rows and positions that count real tokens only (a padded row's first real token
+    is position 0, as alone, which keeps batched output equal to one-at-a-time output). `select(rows)` drops
+    the other rows of a batch (rows that finished). windowed=True builds the layers from the model config
+    instead: transformers' own sliding-window layers, which keep only their window (generation, which only
+    ever appends; such a cache is never truncated or rolled back).
+    """
+
+    def __init__(self, model: nn.Module, capture: Sequence[int] | None = None, windowed: bool = False):
         self.model, self.capture = model, capture
-        self.cache = DynamicCache()
+        self.cache = DynamicCache(config=model.config) if windowed else DynamicCache()
         self.key = cache_kwarg(model)
         self.window = sliding_window(model)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.length = 0
         self._pending = 0
+        self.padding: torch.Tensor | None = None  # [B, length] attention mask of the committed rows, once padded
+        self._new_pad: torch.Tensor | None = None  # the last pass's rows' mask, until keep
 
     def _forward(self, ids: torch.Tensor, logits_to_keep: int, **kw: Any) -> tuple[torch.Tensor, Features | None]:
         kw = {self.key: self.cache, "use_cache": True, "logits_to_keep": logits_to_keep, **kw}
@@ -125,28 +138,41 @@ class DynamicKV:
         return out.logits, cap.features()
 
     @torch.no_grad()
-    def run(self, ids: torch.Tensor, parents: torch.Tensor | None = None,
-            logits_to_keep: int = 0) -> tuple[torch.Tensor, Features | None]:
+    def run(self, ids: torch.Tensor, parents: torch.Tensor | None = None, logits_to_keep: int = 0,
+            pad: torch.Tensor | None = None) -> tuple[torch.Tensor, Features | None]:
         ids = ids.to(self.device)
         self._pending = ids.shape[1]
+        if pad is not None or self.padding is not None:
+            if parents is not None:
+                raise ValueError("DynamicKV: padded rows decode chains (parents None)")
+            return self._padded(ids, logits_to_keep, pad)
         # Without parents (prefill, plain steps, draft models) the model masks itself; a verify pass with
         # sliding-window layers gets the window from our mask even for chains.
         if parents is None or (is_chain(parents) and self.window is None):
             return self._forward(ids, logits_to_keep)
-        past = self.length
         anc, depths = tree_layout(parents)
-        pos = past + torch.cat([torch.zeros(1, dtype=torch.long), depths]).to(self.device)
-        allowed = torch.ones(len(pos), past + len(pos), dtype=torch.bool, device=self.device)
-        allowed[:, past:] = anc.to(self.device)
-        mask: torch.Tensor | dict[str, torch.Tensor] = _additive(allowed, self.dtype)
-        if self.window is not None:
-            key_pos = torch.cat([torch.arange(past, device=self.device), pos])
-            near = (pos[:, None] - key_pos[None, :]) < self.window
-            mask = {"full_attention": mask, "sliding_attention": _additive(allowed & near, self.dtype)}
+        pos = self.length + torch.cat([torch.zeros(1, dtype=torch.long), depths]).to(self.device)
+        mask = tree_mask(self.length, anc.to(self.device), pos, self.dtype, window=self.window)
         return self._forward(ids, logits_to_keep, attention_mask=mask, position_ids=pos[None])
+
+    def _padded(self, ids: torch.Tensor, logits_to_keep: int,
+                pad: torch.Tensor | None) -> tuple[torch.Tensor, Features | None]:
+        """A pass over (left) padded rows: the mask of committed and new rows, positions of real tokens only."""
+        if pad is not None and self.length:
+            raise ValueError("DynamicKV: `pad` belongs to the first pass (the prompts)")
+        new = pad.to(self.device) if pad is not None else self.padding.new_ones(ids.shape)
+        mask = new if self.padding is None else torch.cat([self.padding, new], dim=1)
+        self._new_pad = new
+        # A row's token at mask column j has position mask[:, :j+1].sum() - 1 (pads take none).
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        return self._forward(ids, logits_to_keep, attention_mask=mask, position_ids=pos)
 
     def keep(self, rows: Sequence[int]) -> None:
         rollback_cache(self.cache, self.length, self._pending, rows)
+        if self._new_pad is not None:
+            kept = self._new_pad[:, list(rows)]
+            self.padding = kept if self.padding is None else torch.cat([self.padding, kept], dim=1)
+            self._new_pad = None
         self.length += len(rows)
         self._pending = 0
 
@@ -154,6 +180,14 @@ class DynamicKV:
         if length < self.length:
             self.cache.crop(-(self.length - length))
             self.length = length
+            if self.padding is not None:
+                self.padding = self.padding[:, :length]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows of the batch (indices [B'], in this order), in the cache and its mask."""
+        self.cache.batch_select_indices(rows)
+        if self.padding is not None:
+            self.padding = self.padding[rows]
 
 
 # ----------------------------------------------------------------------------------------------- static
@@ -276,16 +310,7 @@ class StaticKV:
         if step.copied is not None:
             step.copied.record()
         torch.arange(base, base + q, out=step.slots)
-        full = step.mask["full_attention"] if isinstance(step.mask, dict) else step.mask
-        neg = torch.finfo(self.dtype).min
-        full.fill_(neg)
-        full[..., :base] = 0
-        full[0, 0, :, base:base + q].masked_fill_(anc, 0)
-        if isinstance(step.mask, dict):
-            key_pos = torch.arange(self.max_len, device=self.device)
-            key_pos[base:base + q] = step.pos[0]
-            far = (step.pos[0][:, None] - key_pos[None, :]) >= self.window
-            step.mask["sliding_attention"].copy_(full).masked_fill_(far[None, None], neg)
+        tree_mask(base, anc, step.pos[0], self.dtype, self.max_len, self.window, out=step.mask)
 
     def _forward(self, step: _Step, last_only: bool) -> tuple[torch.Tensor, Features | None]:
         self.slots = step.slots
@@ -325,8 +350,10 @@ class StaticKV:
         return step.out
 
     @torch.no_grad()
-    def run(self, ids: torch.Tensor, parents: torch.Tensor | None = None,
-            logits_to_keep: int = 0) -> tuple[torch.Tensor, Features | None]:
+    def run(self, ids: torch.Tensor, parents: torch.Tensor | None = None, logits_to_keep: int = 0,
+            pad: torch.Tensor | None = None) -> tuple[torch.Tensor, Features | None]:
+        if pad is not None:
+            raise ValueError("StaticKV decodes one unpadded row; batches use DynamicKV")
         if logits_to_keep not in (0, 1):
             raise ValueError(f"StaticKV.run: logits_to_keep must be 0 (all rows) or 1 (the last), got {logits_to_keep}")
         q = int(ids.shape[-1])
