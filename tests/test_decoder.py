@@ -6,6 +6,7 @@ and every drafter, oracle/adversarial drafters, KV rollback, features handed to 
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -353,6 +354,22 @@ def test_static_cache_matches_dynamic_through_trees_and_growth(target, prompt, r
         new_kv(layer_prefix_model(target, 1), sta)
     with pytest.raises(ValueError, match="cache must be one of"):
         new_kv(target, "paged")
+
+
+@pytest.mark.cuda
+def test_static_cache_replays_cuda_graphs_exactly(target, prompt):
+    """On a GPU the static cache captures every verify size as a CUDA graph and replays it: chains and trees
+    decode the same tokens as plain decoding on the dynamic cache, with the graphs really captured."""
+    model = copy.deepcopy(target).cuda()
+    ids = prompt.cuda()
+    plain, _ = plain_generate(model, ids, MAX_NEW)
+    kv = StaticKV(model, max_len=ids.shape[1] + MAX_NEW + 64)
+    assert kv.graphs
+    for drafter, k in ((NgramDrafter(), 4), (StaticTreeDrafter(plain, 0), 5)):
+        out, _ = speculative_generate(model, ids, drafter, k, MAX_NEW, cache=kv)
+        assert out.tolist() == plain.tolist()
+        assert kv.graph_error is None and any(step.graph is not None for step in kv._steps.values())
+        kv = new_kv(model, kv)  # reused: emptied, its graphs kept
 
 
 def test_dynamic_cache_crop_takes_negative_counts():
