@@ -1,4 +1,6 @@
-"""Write an eval run's report: report.json, report.md and PNG plots (matplotlib, Agg backend, no display).
+"""Assemble and write an eval run's report: report.json, report.md and PNG plots (matplotlib, Agg, no display).
+
+`assemble_report(...)` puts eval.run's measured sections together with what ran and the definitions.
 
 Files written into the run folder by `write_report(report, out_dir)`:
   report.json                  everything eval.run measured (benchmarks.<name>.tau / .speedup /
@@ -19,16 +21,24 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on servers and in tests
 import matplotlib.pyplot as plt  # noqa: E402  (must follow the backend choice)
+import torch  # noqa: E402
 
 from data.cli import UserError, cli_main, write_atomic  # noqa: E402
+from data.config import to_dict  # noqa: E402
+
+if TYPE_CHECKING:
+    from data.config import EvalConfig, TargetConfig
+    from eval.calibrate import Costs
+    from eval.turns import Subject
 
 PLOTS = ("acceptance_per_position.png", "tau_by_category.png", "speedup_vs_k.png", "throughput_vs_batch.png")
 
@@ -240,6 +250,41 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     for fn, name in zip((plot_acceptance, plot_tau_by_category, plot_speedup_vs_k, plot_throughput), PLOTS):
         paths.append(fn(report, out / name))
     return paths
+
+
+TAU_DEFINITION = "tokens per target forward pass, counting the corrected or bonus token (prefill excluded)"
+
+
+def assemble_report(target_cfg: TargetConfig, head_dir: str | Path | None, subject: Subject, costs: Costs,
+                    cfg_eval: EvalConfig, device: torch.device, *, benchmarks: dict[str, Any],
+                    speedup: dict[str, Any], batch: dict[str, Any]) -> dict[str, Any]:
+    """report.json: what ran and the definitions, then the measured sections, the machine and the config."""
+    return {
+        "target": target_cfg.name_or_path,
+        "head": None if head_dir is None else str(head_dir),
+        "family": None if subject.head_cfg is None else subject.head_cfg.family,
+        "drafter": subject.main,
+        "k": costs.k,
+        "k_source": "eval.num_draft_tokens" if cfg_eval.num_draft_tokens is not None
+        else "eval.costs.choose_k: calibration acceptance and draft cost, measured verify curve",
+        "tree": cfg_eval.tree,
+        "policy": cfg_eval.policy,
+        "ngram_k": costs.k_ng,
+        "tau_definition": TAU_DEFINITION,
+        "speedup_definition": "speculative tokens/s over plain tokens/s of the same target on the same turns in "
+                              "the same run (interleaved); end to end per turn, decode_speedup without prefill",
+        "temperatures": list(cfg_eval.temperature),
+        "max_new_tokens": cfg_eval.max_new_tokens,
+        "methods": ["plain"] + subject.methods,
+        "benchmarks": benchmarks,
+        "speedup_model": speedup,
+        "costs": costs.section(),
+        "batch_sweep": batch,
+        "machine": {"device": str(device), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "torch": torch.__version__},
+        "eval_config": to_dict(cfg_eval),
+    }
+
 
 
 @cli_main

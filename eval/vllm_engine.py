@@ -169,6 +169,18 @@ def run_worker(job: dict[str, Any], timeout_s: float, log: Callable[[str], None]
 
 
 # ----------------------------------------------------------------------------------------------- eval side
+def add_served(benchmarks: dict[str, Any], head_dir: str | Path | None, target: Any, target_cfg: Any,
+               served: dict[tuple[str, str], list[tuple[list[int], int]]], tallies: dict[str, Any], main: str,
+               k: int, max_new_tokens: int, seed: int, log: Callable[[str], None]) -> None:
+    """eval.run --engine vllm: serve the exported head in vLLM on the same turns, into benchmarks.<name>.vllm.
+
+    target: eval.turns.Target; tallies: temperature key -> eval.tally.Tally. Raises ServeError."""
+    for b, section in served_sections(head_dir, target.io, target_cfg, served,
+                                      lambda t, b: tallies[t].merged(main, b), k, max_new_tokens,
+                                      target.eos, seed=seed, log=log).items():
+        benchmarks[b]["vllm"] = section
+
+
 def served_sections(
     head_dir: str | Path,
     io: Any,

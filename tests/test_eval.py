@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import eval.run as run
+import eval.turns as turns
 from data.config import EvalConfig, TargetConfig
 from data.readers import DataError
 from eval.bench import load_questions
@@ -56,7 +57,7 @@ def test_evaluate_head_writes_report(tmp_path, tiny_target, monkeypatch):
     folder = _head(tmp_path, tiny_target, "head")
     prompts: list[torch.Tensor] = []
     answers: list[torch.Tensor] = []
-    real_plain = run.plain_generate
+    real_plain = turns.plain_generate
 
     def spy(m, ids, **kw):
         out = real_plain(m, ids, **kw)
@@ -64,7 +65,7 @@ def test_evaluate_head_writes_report(tmp_path, tiny_target, monkeypatch):
         answers.append(out[0].clone())
         return out
 
-    monkeypatch.setattr(run, "plain_generate", spy)
+    monkeypatch.setattr(turns, "plain_generate", spy)
     out = tmp_path / "ev"
     report = run.evaluate(folder, _cfg(temperature=[0.0, 1.0]), out, TargetConfig(name_or_path="tiny-random-llama"),
                           loaded=tiny_target, sweep_new_tokens=5, log=lambda s: None)

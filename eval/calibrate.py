@@ -1,0 +1,103 @@
+"""The eval's cost stage: the verify curve T(n), the off-benchmark calibrations, and the draft lengths they choose.
+
+    costs = measure_costs(target, subject, cfg.eval, questions)   # Costs: verify, cal, cal_ng, k, k_ng, ...
+    report["costs"] = costs.section()
+
+k is tuned on prompts that are in no benchmark (the bundled training conversations), never on the test
+questions; the cost model itself is eval.costs'. Called by eval.run.evaluate (python -m eval.run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from data.config import EvalConfig
+from data.readers import read_records
+from eval.bench import Question
+from eval.costs import Calibration, VerifyCost, calibrate, choose_k, ideal_speedup, measure_verify_cost
+from eval.drafters import NgramDrafter
+from eval.turns import prompt_ids
+
+if TYPE_CHECKING:
+    from eval.turns import Subject, Target
+
+VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32, 64)  # tokens per target pass measured for T(n)
+# k is tuned on prompts that are in no benchmark (GSM8K *train* questions), never on the test questions.
+CALIBRATION_FILE = Path(__file__).resolve().parent.parent / "data" / "bundled" / "tiny_conversations.jsonl"
+
+
+def calibration_prompts(tok: Any, device: torch.device, n: int = 2) -> list[torch.Tensor]:
+    """The first user turn of the first n bundled training conversations, chat-templated."""
+    records, _ = read_records(CALIBRATION_FILE, max_samples=n)
+    return [prompt_ids(tok, [next(m for m in r.messages if m["role"] == "user")], device) for r in records]
+
+
+@dataclass
+class Costs:
+    """What the cost stage measured and chose: the verify curve, both calibrations, the draft lengths."""
+
+    verify: VerifyCost
+    cal: Calibration  # the drafter under evaluation, at k = 8
+    cal_ng: Calibration  # the n-gram's (the same one when the n-gram is the drafter under evaluation)
+    best_k: int  # choose_k's draft length for the drafter (0: plain decoding predicted fastest)
+    best_speedup: float  # and the speedup it predicts
+    ngram_best_k: int  # choose_k's draft length for the n-gram, at least 1
+    k: int  # the draft length the eval runs: eval.num_draft_tokens, else max(best_k, 1)
+    k_ng: int  # the n-gram baseline's (k itself when the n-gram is the drafter under evaluation)
+
+    def section(self) -> dict[str, Any]:
+        """report.json's `costs`."""
+        cal, cal_ng = self.cal, self.cal_ng
+        return {
+            "verify_s": {str(n): v for n, v in self.verify.seconds.items()},
+            "verify_context_tokens": self.verify.context_len,
+            "draft_cost": {"fixed_s": cal.draft_cost.fixed_s, "per_token_s": cal.draft_cost.per_token_s},
+            "calibration": {"prompts": str(CALIBRATION_FILE.name), "acceptance_per_position": cal.acceptance,
+                            "draft_rate": cal.draft_rate, "chosen_k": self.best_k,
+                            "predicted_speedup": self.best_speedup},
+            "ngram_calibration": {"acceptance_per_position": cal_ng.acceptance, "draft_rate": cal_ng.draft_rate,
+                                  "draft_cost": {"fixed_s": cal_ng.draft_cost.fixed_s,
+                                                 "per_token_s": cal_ng.draft_cost.per_token_s},
+                                  "chosen_k": self.ngram_best_k},
+        }
+
+
+def calibrate_drafter(target: Target, subject: Subject, prompts: list[torch.Tensor],
+                      verify: VerifyCost) -> tuple[Calibration, int, float]:
+    """The evaluated drafter's calibration at k = 8, and the draft length (0 = plain) and speedup it predicts."""
+    cal = calibrate(target.model, subject.factory(8)(), prompts, k=8, max_new_tokens=32, eos_token_id=target.eos)
+    best_k, best_speedup = choose_k(cal.acceptance, verify, cal.draft_cost, k_max=8, draft_rate=cal.draft_rate)
+    if best_k > 0 and max(cal.stats.nodes_per_pass, default=0) > 8:
+        # A tree verifies more nodes than its depth, which choose_k (a chain model) does not price: re-run the
+        # calibration at the chosen depth and price its real node counts; plain decoding wins if it is faster.
+        check = calibrate(target.model, subject.factory(best_k)(), prompts, k=best_k, max_new_tokens=32,
+                          eos_token_id=target.eos)
+        best_speedup = ideal_speedup(check.stats, verify, check.draft_cost)
+        if best_speedup < 1.0:
+            best_k, best_speedup = 0, 1.0
+    return cal, best_k, best_speedup
+
+
+def measure_costs(target: Target, subject: Subject, cfg_eval: EvalConfig,
+                  questions: dict[str, list[Question]]) -> Costs:
+    """The verify curve T(n), the off-benchmark calibrations, and the draft lengths they choose."""
+    first = next(iter(questions.values()))[0]
+    context = int(prompt_ids(target.tok, [{"role": "user", "content": first.turns[0]}], target.device).shape[1])
+    verify = measure_verify_cost(target.model, context_len=context, ks=VERIFY_SIZES, repeats=3)
+    k = cfg_eval.num_draft_tokens  # checked (>= 1) with the request
+    # Calibration: acceptance per depth at k = 8 and the draft cost line (fixed + per token), off-benchmark;
+    # for a hybrid the head's (here) and the n-gram's (below) separately: the policy's prior per proposer.
+    prompts = calibration_prompts(target.tok, target.device)
+    cal, best_k, best_speedup = calibrate_drafter(target, subject, prompts, verify)
+    cal_ng = cal if subject.drafter == "ngram" else calibrate(target.model, NgramDrafter(), prompts, k=8,
+                                                              max_new_tokens=32, eos_token_id=target.eos)
+    k_ng = max(choose_k(cal_ng.acceptance, verify, cal_ng.draft_cost, k_max=8, draft_rate=cal_ng.draft_rate)[0], 1)
+    # choose_k returns 0 when plain decoding is predicted fastest; the eval still measures k = 1 then.
+    k = max(best_k, 1) if k is None else k
+    return Costs(verify, cal, cal_ng, best_k, best_speedup, ngram_best_k=k_ng, k=k,
+                  k_ng=k if subject.drafter == "ngram" else k_ng)
+

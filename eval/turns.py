@@ -1,0 +1,175 @@
+"""The eval's turn loop: every question turn by turn at every temperature, all methods back to back per turn.
+
+    runs = Turns(target, subject, costs, cfg.eval, seed, served).run(questions)   # [(temperature, Tally)]
+
+A later turn sees the target's own plain answer to the earlier ones; the first method rotates from turn to
+turn so machine noise and warm caches hit plain and speculative decoding alike. Every turn's sampling seed
+is data.sampling.turn_seed(seed, benchmark, question id, turn), regeneration's derivation. Called by
+eval.run.evaluate (python -m eval.run).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from data.config import EvalConfig
+from data.regenerate import render_rows
+from data.sampling import turn_seed
+from eval.bench import Question
+from eval.decoder import GenerationStats, plain_generate, speculative_generate
+from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter
+from eval.policy import AdaptivePolicy, LearnedVerifyCost, measured_prior
+from eval.tally import BASELINES, Tally
+from heads.base import Drafter
+
+if TYPE_CHECKING:
+    from eval.calibrate import Costs
+
+Served = dict[tuple[str, str], list[tuple[list[int], int]]]  # (temperature, bench) -> [(prompt ids, seed)]
+
+
+def prompt_ids(tok: Any, messages: list[dict[str, str]], device: torch.device) -> torch.Tensor:
+    """One conversation chat-templated with the generation prompt, as ids [1, T] (data.regenerate's rendering)."""
+    return torch.tensor(render_rows(tok, [messages]), dtype=torch.long, device=device)
+
+
+def hf_prompt_lookup(model: nn.Module, ids: torch.Tensor, k: int, max_new: int, eos: list[int],
+                     pad: int) -> tuple[torch.Tensor, GenerationStats]:
+    """transformers' prompt-lookup assisted generation, timed end to end (greedy): (new ids, stats).
+
+    Only tokens and time are visible from outside generate(), so tau and acceptance stay unreported for it
+    (stats without passes; the report shows '-')."""
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                         prompt_lookup_num_tokens=k, eos_token_id=eos, pad_token_id=pad)
+    stats = GenerationStats(generations=1)
+    new = out[0, ids.shape[1]:].cpu()
+    stats.new_tokens = int(new.numel())
+    stats.total_time_s = time.perf_counter() - t0
+    return new, stats
+
+
+@dataclass
+class Target:
+    """The loaded target: model, tokenizer, TargetIO, device and the token ids that end an answer."""
+
+    model: nn.Module
+    tok: Any
+    io: Any
+    device: torch.device
+    eos: list[int]
+
+
+@dataclass
+class Subject:
+    """What is evaluated: the drafter kind, the head's config (None for the n-gram alone), the methods that run."""
+
+    drafter: str  # one of DRAFTERS
+    head_cfg: Any
+    main: str  # the evaluated method's name: the head's family, "<family>+ngram" or "ngram"
+    methods: list[str]  # main first, then the head alone beside a hybrid, then the baselines
+    factory: Callable[[int], Callable[[], Drafter]]  # draft length -> a factory of fresh drafters
+
+    @property
+    def hybrid(self) -> bool:
+        return self.drafter == "head+ngram"
+
+
+@dataclass
+class Turns:
+    """The per-turn loop: every question turn by turn at every temperature, all methods back to back per turn.
+
+    A later turn sees the target's own plain answer to the earlier ones; the first method rotates from turn
+    to turn so machine noise and warm caches hit plain and speculative decoding alike. With `served` (a dict,
+    --engine vllm) every turn's prompt ids and seed are collected per (temperature, benchmark) for vLLM.
+    """
+
+    target: Target
+    subject: Subject
+    costs: Costs
+    cfg: EvalConfig
+    seed: int
+    served: Served | None
+    turn_index: int = 0  # turns run so far, over every temperature: who goes first rotates with it
+    make_head: Callable[[], Drafter] = field(init=False)
+    learned: LearnedVerifyCost = field(init=False)  # T(n) refined by every policy's timed passes, all run long
+
+    def __post_init__(self) -> None:
+        self.make_head = self.subject.factory(self.costs.k)
+        self.learned = LearnedVerifyCost(self.costs.verify)
+
+    def run(self, questions: dict[str, list[Question]]) -> list[tuple[str, Tally]]:
+        """(temperature key, tally) per eval.temperature, in order."""
+        runs = []
+        n_turns = sum(len(q.turns) for qs in questions.values() for q in qs) * len(self.cfg.temperature)
+        bar = tqdm(total=n_turns, desc="eval turns", unit="turn", disable=None)
+        for temp in self.cfg.temperature:
+            tally = Tally()
+            methods = [m for m in self.subject.methods if not (m == "hf_prompt_lookup" and temp > 0)]
+            for bench, qs in questions.items():
+                for q in qs:
+                    self.question(q, bench, temp, methods, tally, bar)
+            runs.append((f"{temp:g}", tally))
+        bar.close()
+        return runs
+
+    def question(self, q: Question, bench: str, temp: float, methods: list[str], tally: Tally,
+                 bar: tqdm) -> None:
+        """All turns of one question; each turn's results go into the tally."""
+        tok, main = self.target.tok, self.subject.main
+        messages: list[dict[str, str]] = []
+        for t, turn in enumerate(q.turns):
+            messages.append({"role": "user", "content": turn})
+            ids = prompt_ids(tok, messages, self.target.device)
+            seed = turn_seed(self.seed, bench, q.id, t)
+            if self.served is not None:
+                self.served.setdefault((f"{temp:g}", bench), []).append((ids[0].tolist(), seed))
+            order = ["plain"] + methods
+            r = self.turn_index % len(order)  # rotate who goes first: noise and warm caches hit all alike
+            results = {name: self.generate(name, ids, temp, seed) for name in order[r:] + order[:r]}
+            plain_ids = results["plain"][0]
+            for name, (new, st) in results.items():
+                same = bool(torch.equal(new.cpu(), plain_ids.cpu())) if temp == 0 else None
+                tally.add(name, bench, q.category, st, same)
+            # The next turn sees the target's own plain answer (skip the end-of-turn token).
+            messages.append({"role": "assistant", "content": tok.decode(plain_ids.tolist(), skip_special_tokens=True)})
+            self.turn_index += 1
+            ms = results[main][1]
+            bar.set_postfix_str(f"{bench} T={temp:g} tau {ms.tau:.2f} {ms.tokens_per_s:.1f} tok/s "
+                                f"(plain {results['plain'][1].tokens_per_s:.1f})")
+            bar.update(1)
+
+    def generate(self, name: str, ids: torch.Tensor, temp: float, seed: int) -> tuple[torch.Tensor, GenerationStats]:
+        """One method on one turn: (new ids, stats)."""
+        model, eos, costs, max_new = self.target.model, self.target.eos, self.costs, self.cfg.max_new_tokens
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        common = dict(max_new_tokens=max_new, temperature=temp, eos_token_id=eos, generator=gen)
+        if name == "plain":
+            return plain_generate(model, ids, **common)
+        if name == "hf_prompt_lookup":
+            return hf_prompt_lookup(model, ids, costs.k_ng, max_new, eos, self.target.tok.pad_token_id)
+        if name == "ngram":
+            return speculative_generate(model, ids, NgramDrafter(), costs.k_ng, policy=self.policy_for(name),
+                                        **common)
+        # Under a policy the head's commits wait while it does not draft (DeferredSync).
+        drafter = HybridDrafter(self.make_head()) if name == self.subject.main and self.subject.hybrid else \
+            DeferredSync(self.make_head()) if self.cfg.policy == "adaptive" else self.make_head()
+        return speculative_generate(model, ids, drafter, costs.k, policy=self.policy_for(name), **common)
+
+    def policy_for(self, name: str) -> AdaptivePolicy | None:
+        """A fresh per-request policy for a method (None: fixed k); the n-gram baseline keeps its fixed k."""
+        c, main = self.costs, self.subject.main
+        if self.cfg.policy != "adaptive" or name in BASELINES and name != main:
+            return None
+        if name.endswith("+ngram"):
+            return AdaptivePolicy(self.learned, {"head": c.cal.draft_cost, "ngram": c.cal_ng.draft_cost},
+                                  {"head": measured_prior(c.cal.stats), "ngram": measured_prior(c.cal_ng.stats)})
+        return AdaptivePolicy(self.learned, {"draft": c.cal.draft_cost}, {"draft": measured_prior(c.cal.stats)})
+
