@@ -14,7 +14,7 @@ The model (all times per target pass, one pass verifies the root plus the n draf
     time(k)  = D(k) + f * T(k+1) + (1 - f) * T(1)        D(k) = draft_fixed + f * k * draft_per_token
     speedup  = E(k) * T(1) / time(k)                     plain decoding costs T(1) per token
 For a tree with n nodes and draft depth d the same holds with E = 1 + sum over nodes of P(node accepted),
-time = D(d) + T(n+1) (`predicted_tree_speedup`). With f = 1 and a flat T this is SCIENCE.md's
+time = D(d) + T(n+1) (`predicted_tree_speedup`). With f = 1 and a flat T this is docs/science.md's
 E / (k*c + 1) with E = (1 - a^(k+1)) / (1 - a) for a constant a.
 """
 
