@@ -304,7 +304,6 @@ class RunConfig:
     out: Str = "runs/default"  # output folder; --out overrides
 
 
-
 def check_layer_ids(cfg: RunConfig, target_config: Any) -> list[int]:
     """The head's feature layers for this target config (read without weights); ConfigError when out of range."""
     try:
