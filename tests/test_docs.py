@@ -2,7 +2,8 @@
 
     .venv/bin/python -m pytest -q tests/test_docs.py
 
-Prose is every docstring and comment of the Python files, and the docs: README.md, docs/*.md,
+Prose is every docstring and comment of the Python files, the comments of the shell scripts (scripts/, .ci/),
+and the docs: README.md, docs/*.md,
 configs/**/README.md, convert/formats/README.md, data/bundled/README.md. In it:
   - a path that starts at a top-level folder of the repository (`train/loop.py`, `configs/tiny-eagle.yaml`,
     `docs/results.md`) must exist; one that climbs out of the repository (`../shared/docs/...`) is an error
@@ -99,9 +100,16 @@ def offenders(root: Path, sources: dict[Path, str]) -> list[str]:
     return bad
 
 
+def shell_prose(path: Path) -> str:
+    return "\n".join(line for line in path.read_text().splitlines() if line.lstrip().startswith("#"))
+
+
 def repo_sources(root: Path) -> dict[Path, str]:
     py = sorted(p for top in TOP for p in (root / top).rglob("*.py") if ".venv" not in p.parts)
-    return {**{p: python_prose(p) for p in py}, **{p: p.read_text() for p in doc_files(root)}}
+    shell = sorted(p for p in [*(root / "scripts").rglob("*"), *(root / ".ci").glob("*")]
+                   if p.is_file() and (p.suffix in (".sh", ".sbatch") or p.parent.name == ".ci"))
+    return {**{p: python_prose(p) for p in py}, **{p: shell_prose(p) for p in shell},
+            **{p: p.read_text() for p in doc_files(root)}}
 
 
 def test_every_named_file_and_module_exists() -> None:
