@@ -1,6 +1,6 @@
 """The spec checker: an export (config dict + weights) against the written specification of its format.
 
-The specification of format F is `convert/formats/F.json` (how to read one: convert/formats/README.md).
+The specification of format F is `convert/formats/<format>.json` (how to read one: convert/formats/README.md).
 Shape expressions are an integer or a symbol, or two of them joined by one of + - * // ("3 * TH",
 "H // NH", "L + k"); a spec file names no code, so none is ever run. Library only:
 

@@ -5,12 +5,12 @@ accepts the same flags:
 
     python train/eagle.py --config configs/tiny-eagle.yaml --optim.lr=3e-4 --head.ttt_length=3 --out runs/x
 
-The sections are plain dataclasses (building one in code checks nothing, as before); `load_config` validates
-the YAML tree against them with pydantic: unknown keys (`extra="forbid"`), strict types (no "5" for an int,
-no 1 for a bool), enums (`Literal[...]`) and ranges (`Field(gt=0)`, ... in the annotations: `optim.lr` > 0,
-`optim.warmup_steps` >= 0, 0 <= `optim.min_lr_ratio` <= 1, ...). A failure raises `ConfigError`, one line
-naming the file and YAML line (or the command line) and the dotted key, when the config is loaded and before
-any model loads; entry scripts turn that into one line on stderr and exit code 2 (data.cli.cli_main).
+The sections are plain dataclasses (building one in code checks nothing); `load_config` validates the YAML
+tree against them with pydantic: unknown keys (`extra="forbid"`), strict types (no "5" for an int, no 1 for a
+bool), closed sets of strings (`Literal[...]`: every choice such as `eval.policy` or `regenerate.engine` is
+checked here, not where it is used) and ranges (`Field(gt=0)`, ... in the annotations). A failure raises
+`ConfigError`, one line naming the file and YAML line (or the command line), the dotted key and pydantic's
+own words for what is wrong, when the config is loaded and before any model loads; entry scripts turn that into one line on stderr and exit code 2 (data.cli.cli_main).
 `check_layer_ids` checks the head's layer ids against the target's config (read without its weights).
 The resolved config is written as `config.yaml` into the run's output folder (`save_config`).
 
@@ -147,14 +147,14 @@ class RegenerateConfig:
     # hf: transformers' batched generate (batch_size prompts at a time). vllm: vLLM's offline engine (the
     # `vllm` extra); batch_size is then the chunk of prompts handed to vLLM at once and fsynced after
     # (vLLM batches inside a chunk itself: use hundreds on GPUs).
-    engine: Str = "hf"
-    tensor_parallel_size: Int = 1  # vllm: GPUs one copy of the target is split over
-    data_parallel_size: Int = 1  # vllm: copies of the target on this node, each serving part of a chunk
+    engine: Literal["hf", "vllm"] = "hf"
+    tensor_parallel_size: Count = 1  # vllm: GPUs one copy of the target is split over
+    data_parallel_size: Count = 1  # vllm: copies of the target on this node, each serving part of a chunk
     memory: Float | None = None  # vllm: gpu_memory_utilization (CPU: share of host memory); null = 0.9 GPU, 0.3 CPU
     # SLURM job arrays (scripts/slurm/regenerate.sbatch): this task answers the shard_index-th of num_shards
     # contiguous slices of the prompts into <output stem>.shard-I-of-N.jsonl; `merge` joins them in order.
-    num_shards: Int = 1
-    shard_index: Int = 0
+    num_shards: Count = 1
+    shard_index: Annotated[Int, Field(ge=0)] = 0  # < num_shards (data.regenerate checks)
 
 
 @dataclass
@@ -234,7 +234,7 @@ class OptimConfig:
 
     lr: Positive = 1e-4
     weight_decay: NonNegative = 0.0
-    betas: Annotated[tuple[Beta, Beta], BeforeValidator(_list_as_tuple)] = (0.9, 0.95)
+    betas: Annotated[tuple[Beta, ...], Field(min_length=2, max_length=2), BeforeValidator(_list_as_tuple)] = (0.9, 0.95)
     warmup_steps: Annotated[Int, Field(ge=0)] = 50
     min_lr_ratio: Fraction = 0.1  # cosine decays to lr * min_lr_ratio
     grad_clip: NonNegative = 0.5
@@ -280,7 +280,7 @@ class EvalConfig:
     temperature: list[NonNegative] = field(default_factory=lambda: [0.0])
     num_draft_tokens: Count | None = None  # chain length k; null = choose from measured costs
     tree: Literal["auto", "chain", "static", "dynamic"] = "auto"
-    policy: Str = "adaptive"  # adaptive (eval.policy: per-pass k from this request's acceptance) | fixed (k every pass)
+    policy: Literal["adaptive", "fixed"] = "adaptive"  # adaptive (eval.policy: per-pass k from this request's acceptance) | fixed (k every pass)
     batch_sizes: list[Count] = field(default_factory=lambda: [1, 2, 4, 8, 16])
 
 
@@ -304,7 +304,6 @@ class RunConfig:
     out: Str = "runs/default"  # output folder; --out overrides
 
 
-
 def check_layer_ids(cfg: RunConfig, target_config: Any) -> list[int]:
     """The head's feature layers for this target config (read without weights); ConfigError when out of range."""
     try:
@@ -321,108 +320,46 @@ def _check_layer_ids_shape(cfg: Any, where: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- errors
 Loc = tuple[str | int, ...]
-# pydantic error type -> what the value must be (range errors are worded from the field's bounds instead)
-_EXPECTED = {"int_type": "int", "float_type": "float", "bool_type": "true/false", "string_type": "str",
-             "list_type": "a list", "tuple_type": "a list", "mapping_type": "a mapping", "dict_type": "a mapping",
-             "dataclass_type": "a mapping", "dataclass_exact_type": "a mapping"}
-_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
 
 
 def _dotted(loc: Loc) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
 
 
-def _strip(tp: Any) -> Any:
-    """`tp` without Annotated and `| None` wrappers."""
-    while True:
-        if typing.get_origin(tp) is Annotated:
-            tp = typing.get_args(tp)[0]
-        elif type(None) in typing.get_args(tp):
-            tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        else:
-            return tp
+def _unwrap(tp: Any, tree: Any) -> Any:
+    """`tp` without Annotated and `| None`; the head section's family class for the head subtree `tree`."""
+    while typing.get_origin(tp) is Annotated or type(None) in typing.get_args(tp):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp.resolve_class(tree if isinstance(tree, dict) else {}) if hasattr(tp, "resolve_class") else tp
 
 
-def _annotation_at(cls: Any, tree: Any, loc: Loc) -> Any:
-    """The annotation of the field at `loc` (the head section resolved from its `family`); None if none."""
+def _section_at(cls: Any, tree: Any, loc: Loc) -> Any:
+    """The dataclass of the section at `loc` in `tree` (for an unknown key's list of known ones); None if none."""
     tp = cls
     for part in loc:
-        tp = _strip(tp)
-        if isinstance(part, int):
-            args = typing.get_args(tp)
-            tp = args[part] if typing.get_origin(tp) is tuple and part < len(args) else args[0] if args else None
+        tp = _unwrap(tp, tree)
+        if isinstance(part, int):  # a list item (prompts.domains[0])
+            tp = (typing.get_args(tp) or (None,))[0]
             tree = tree[part] if isinstance(tree, list) and part < len(tree) else {}
         elif dataclasses.is_dataclass(tp):
-            if hasattr(tp, "resolve_class"):
-                tp = tp.resolve_class(tree if isinstance(tree, dict) else {})
             tp = typing.get_type_hints(tp, include_extras=True).get(part)
             tree = tree.get(part, {}) if isinstance(tree, dict) else {}
         else:
             return None
-    return tp
-
-
-def _bounds(tp: Any) -> dict[str, float]:
-    """The ge/gt/le/lt bounds pydantic's Field(...) put into an annotation (through `| None`)."""
-    found: dict[str, float] = {}
-    while True:
-        if typing.get_origin(tp) is Annotated:
-            for meta in tp.__metadata__:
-                for m in getattr(meta, "metadata", [meta]):
-                    found.update({k: getattr(m, k) for k in ("gt", "ge", "lt", "le") if hasattr(m, k)})
-            tp = typing.get_args(tp)[0]
-        elif type(None) in typing.get_args(tp):
-            tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        else:
-            return found
-
-
-def _want(b: dict[str, float]) -> str:
-    """Bounds as the old loader worded them: '> 0', '>= 1', 'in [0, 1]', 'in (0, 1]'."""
-    lo = f"> {b['gt']:g}" if "gt" in b else f">= {b['ge']:g}" if "ge" in b else None
-    if "le" not in b and "lt" not in b:
-        return lo or "finite"
-    hi_v, hi_br = (b["le"], "]") if "le" in b else (b["lt"], ")")
-    if lo is None:
-        return f"<= {hi_v:g}" if hi_br == "]" else f"< {hi_v:g}"
-    lo_br, lo_v = ("(", b["gt"]) if "gt" in b else ("[", b["ge"])
-    return f"in {lo_br}{lo_v:g}, {hi_v:g}{hi_br}"
+    tp = _unwrap(tp, tree)
+    return tp if dataclasses.is_dataclass(tp) else None
 
 
 def _describe(err: Any, cls: type, tree: dict) -> str:
-    """One pydantic error as the loader's sentence: `key 'a.b': <what is wrong>` or `unknown key 'a.c' (...)`."""
-    loc, kind, value = tuple(err["loc"]), err["type"], err.get("input")
-    key = _dotted(loc)
-    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
-        section = _strip(_annotation_at(cls, tree, loc[:-1]))
-        if hasattr(section, "resolve_class"):
-            section = section.resolve_class(_value_at(tree, loc[:-1]))
-        known = sorted(f.name for f in dataclasses.fields(section))
+    """One pydantic error as one sentence naming the dotted key; an unknown key lists its section's keys."""
+    loc = tuple(err["loc"])
+    if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        section = _section_at(cls, tree, loc[:-1])
+        known = sorted(f.name for f in dataclasses.fields(section)) if section else []
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        where = _dotted(loc[:-1]) or "<top>"
-        return f"unknown key '{key}' ({hint}known in '{where}': {', '.join(known)})"
-    if kind in _RANGE_ERRORS:
-        return f"key '{key}': must be {_want(_bounds(_annotation_at(cls, tree, loc)))}, got {value!r}"
-    if kind == "literal_error":
-        return f"key '{key}': {value!r} is not one of {err['ctx']['expected']}"
-    if kind in _EXPECTED:
-        return f"key '{key}': expected {_EXPECTED[kind]}, got {value!r}"
-    if kind == "head_family":
-        return f"key '{key}': {err['msg']}"
-    if kind in ("missing", "too_long"):  # a tuple (optim.betas) given too few or too many items
-        loc = loc[:-1] if kind == "missing" else loc
-        n = len(typing.get_args(_strip(_annotation_at(cls, tree, loc))))
-        return f"key '{_dotted(loc)}': expected {n} items, got {_value_at(tree, loc)!r}"
-    return f"key '{key}': {err['msg']}, got {value!r}"
-
-
-def _value_at(tree: Any, loc: Loc) -> Any:
-    for part in loc:
-        ok = isinstance(tree, dict) and part in tree or isinstance(tree, list) and isinstance(part, int) \
-            and part < len(tree)
-        tree = tree[part] if ok else {}
-    return tree
+        return f"unknown key '{_dotted(loc)}' ({hint}known in '{_dotted(loc[:-1]) or '<top>'}': {', '.join(known)})"
+    return f"key '{_dotted(loc)}': {err['msg'].removeprefix('Input ')}, got {err['input']!r}"
 
 
 # ----------------------------------------------------------------------------------------------- machinery

@@ -138,8 +138,6 @@ def open_featureset(cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.
         if target_model is None:
             raise ValueError("features.mode=online needs the target model (it computes the features)")
         return FeatureSet(dataset, layer_ids, pad_id, target_model=target_model, with_argmax=with_argmax)
-    if mode != "offline":
-        raise ValueError(f"features.mode '{mode}' is not one of offline, online")
     reader = StoreReader(store_root(cfg) / split_name, verify_checksums=cfg.features.verify_on_read)
     _check_store(reader, cfg, dataset, target_model, layer_ids, target)
     return FeatureSet(dataset, layer_ids, pad_id, reader=reader, with_argmax=with_argmax)

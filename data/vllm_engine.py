@@ -77,8 +77,6 @@ class VllmTarget:
         vllm = require_vllm()
         from transformers import GenerationConfig
 
-        if cfg.dtype not in ("float32", "bfloat16", "float16"):
-            raise DataError(f"target.dtype '{cfg.dtype}' is not one of float32, bfloat16, float16")
         self.folder = target_folder(cfg)
         try:
             self.generation_config = GenerationConfig.from_pretrained(self.folder, revision=cfg.revision)

@@ -14,7 +14,7 @@ The model (all times per target pass, one pass verifies the root plus the n draf
     time(k)  = D(k) + f * T(k+1) + (1 - f) * T(1)        D(k) = draft_fixed + f * k * draft_per_token
     speedup  = E(k) * T(1) / time(k)                     plain decoding costs T(1) per token
 For a tree with n nodes the same holds with E = 1 + sum over nodes of P(node accepted), time = D(n) + T(n+1)
-(`predicted_tree_speedup`). With f = 1 and a flat T this is SCIENCE.md's E / (k*c + 1) with
+(`predicted_tree_speedup`). With f = 1 and a flat T this is docs/science.md's E / (k*c + 1) with
 E = (1 - a^(k+1)) / (1 - a) for a constant a (eval.speedup.flat_speedup). Every one of these, and eval.policy's
 per-pass choice, is E * T(1) / time through the one `speedup` function.
 """

@@ -6,11 +6,11 @@ The cost model itself lives in eval.costs (one model for choosing k and for the 
     speedup = E(k) * T(1) / time(k)
 with a_i the conditional acceptance at draft position i, f the share of passes that draft at all, T the
 measured verify curve (it grows with n on CPUs) and D(k) = fixed + k * per_token (per_token / T(1) is
-SCIENCE.md's c). This module turns one run's measurements into the report's `speedup_model` section:
+docs/science.md's c). This module turns one run's measurements into the report's `speedup_model` section:
 acceptance measured only up to the k that ran is extended to deeper positions with the deepest measured
-rate (a stated assumption, the flat-alpha approximation SCIENCE.md reports to be within ~1% for tau).
+rate (a stated assumption, the flat-alpha approximation docs/science.md reports to be within ~1% for tau).
 
-    python -m eval.speedup --alpha 0.5 --c 0.2          # SCIENCE.md's closed form for k = 1..8
+    python -m eval.speedup --alpha 0.5 --c 0.2          # docs/science.md's closed form for k = 1..8
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def extend_rates(rates: Sequence[float], k: int) -> list[float]:
 
 
 def flat_speedup(alpha: float, k: int, c: float) -> float:
-    """SCIENCE.md's closed form, (1 - a^(k+1)) / (1 - a) / (k*c + 1): the cost model with a flat verify cost
+    """docs/science.md's closed form, (1 - a^(k+1)) / (1 - a) / (k*c + 1): the cost model with a flat verify cost
     T = 1, a flat acceptance a and a draft cost of c per token."""
     return predicted_speedup([alpha] * k, k, VerifyCost({1: 1.0}, 0), DraftCost(0.0, c))
 
@@ -93,7 +93,7 @@ def speedup_model(
 
 @cli_main
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Print SCIENCE.md's flat-verify-cost speedup formula for k = 1..K.")
+    parser = argparse.ArgumentParser(description="Print docs/science.md's flat-verify-cost speedup formula for k = 1..K.")
     parser.add_argument("--alpha", type=float, required=True, help="acceptance rate per draft position")
     parser.add_argument("--c", type=float, required=True, help="draft step cost / target pass cost")
     parser.add_argument("--max-k", type=int, default=8)

@@ -6,7 +6,7 @@ reads to predict token t+1) and predicts token t+2+i:
     block_i(x) = x <- x + SiLU(W_j x + b_j)  for j < num_layers     (W_j, b_j zero-initialised: identity)
     logits_i   = lm_heads[i](block_i(last))                          (no norm, no bias)
 
-This is exactly vLLM's Medusa forward (see FORMATS.md "Medusa"). Parameter names follow vLLM's layout so
+This is exactly vLLM's Medusa forward (convert/formats/README.md, "Medusa"). Parameter names follow vLLM's layout so
 the exporter only adds a prefix: `blocks.{i}.layers.{j}.weight` / `.bias` ([H, H] / [H]) and
 `lm_heads.{i}.weight` ([V, H], V = the target's full vocabulary). The Medusa repository's layout maps
 `blocks.{i}.layers.{j}.*` -> `{i}.{j}.linear.*` and `lm_heads.{i}.weight` -> `{i}.{num_layers}.weight`.

@@ -1,7 +1,7 @@
 """DeepSeek-V3-style MTP modules: enorm/hnorm, eh_proj (2H -> H), one target-architecture block, own norm.
 
 Step k (1-based) at position t combines the embedding of token t+k with the previous step's hidden state
-at t and predicts token t+1+k (FORMATS.md "MTP, DeepSeek-V3 layout"; vLLM's deepseek_mtp forward):
+at t and predicts token t+1+k (convert/formats/README.md, "MTP"; vLLM's deepseek_mtp forward):
 
     e   = embed(x[t+k])                      (the target's frozen embedding; zero at position 0, as vLLM)
     u   = eh_proj(cat(enorm(e), hnorm(h)))   (no bias, embedding first)

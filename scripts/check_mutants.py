@@ -11,7 +11,12 @@ pytest on its tests in a fresh process group (killed whole on timeout; a hang co
 suite's per-test timeout would fail it too), and restores the file's original bytes in a `finally`, so
 Ctrl-C or an exception never leaves a planted bug behind. First the same tests run unmutated (the baseline):
 a failing baseline would make every mutant look caught. Exit status: 0 when every mutant was caught, 1 when
-one survived or did not apply, 2 on a bad command line. Adding a mutant: see README "Mutation check".
+one survived or did not apply, 2 on a bad command line.
+
+Adding a mutant: append `Mutant(name, path, old, new, tests)` to MUTANTS: `old` occurs exactly once in
+`path`, `new` is the realistic bug, `tests` the pytest arguments that must fail (keep them narrow: a file
+and a `-k`); mark it `quick=True` only if it is cheap. Then run `--only NAME`: a mutant that survives means
+a missing test, not a bad mutant.
 """
 
 from __future__ import annotations

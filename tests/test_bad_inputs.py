@@ -34,6 +34,7 @@ import train.checkpoint
 import train.loop
 from data.config import load_config
 from data.extract import run as extract_run
+from heads.base import sha256_file
 from train.schedule import lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,11 +322,11 @@ def case_resume_nonexistent(tmp: Path, run: Path, store: dict) -> Case:
 def case_disk_full_at_checkpoint(tmp: Path, run: Path, store: dict, monkeypatch: pytest.MonkeyPatch) -> Case:
     """The checkpoint write fails with ENOSPC (simulated): one line naming the file, not a traceback."""
     def full(path: Path, *a: Any, **kw: Any) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device", str(path / "state.safetensors"))
+        raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
 
     monkeypatch.setattr(train.checkpoint, "save_state", full)
     return Case(train_main, ["--config", TINY, "--out", str(tmp / "o"), *RUN_FLAGS],
-                ("state.safetensors", "No space left on device"))
+                ("model.safetensors", "No space left on device"))
 
 
 def case_publish_stage_holds_user_file(tmp: Path, run: Path, store: dict) -> Case:
@@ -348,7 +349,7 @@ CASES: dict[str, Callable[..., Case]] = {
     "6-export-force-over-run": case_export_force_over_run,
     "6-export-force-inside-run": case_export_force_inside_run,
     "7-resume-changes-seed": case_resume_changes_seed,
-    "9-negative-lr": _train_flag("--optim.lr=-1", "command line", "'optim.lr'", "> 0"),
+    "9-negative-lr": _train_flag("--optim.lr=-1", "command line", "'optim.lr'", "greater than 0"),
     "9-layer-id-99-train": _train_flag("--head.layer_ids=[1,2,99]", "head.layer_ids", "99"),
     "9-layer-id-99-extract": case_layer_id_99_extract,
     "9-features-mode-typo": _train_flag("--features.mode=ofline", "command line", "'features.mode'", "ofline"),
@@ -396,7 +397,8 @@ def test_bad_input_is_one_line_exit_2_and_touches_nothing(name: str, run_copy: P
 def test_pickle_payload_in_checkpoint_never_runs(run_copy: Path, tmp_path: Path) -> None:
     """Row 2: accelerate would unpickle custom_checkpoint_0.pkl with weights_only=False; the payload would
     create the marker file. Refused, and the marker does not exist (with --trust-checkpoint too: our own
-    checkpoints are read as safetensors and JSON only, so the planted file is never opened)."""
+    checkpoints are read as safetensors, JSON and their own .pt files with weights_only, so the planted file
+    is never opened)."""
     marker = tmp_path / "marker"
 
     class Payload:
@@ -448,10 +450,36 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(run_copy: Path, ca
 def test_corrupted_checkpoint_file_is_named(run_copy: Path, capsys: pytest.CaptureFixture) -> None:
     """A changed byte in a checkpoint's weights (checksums in progress.json): the explicit path is refused."""
     ckpt = run_copy / "checkpoints" / "step-00000004"
-    _damage(ckpt / "state.safetensors")
+    _damage(ckpt / "model.safetensors")
     rc = call(train_main, ["--config", TINY, "--out", str(run_copy), "--resume", str(ckpt), *RUN_FLAGS])
     err = capsys.readouterr().err
-    assert rc == 2 and f"{ckpt / 'state.safetensors'}: corrupted" in err
+    assert rc == 2 and f"{ckpt / 'model.safetensors'}: corrupted" in err
+
+
+@pytest.mark.parametrize("name", ["state.pt", "rng.rank0.pt"])
+def test_pickle_payload_in_a_state_file_never_runs(name: str, run_copy: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    """Row 2, the state files themselves: a payload in place of state.pt (or an RNG file), its sha256 in
+    progress.json updated to match (as whoever planted it would), is refused by torch.load(weights_only=True):
+    one line naming the file, exit 2, with --trust-checkpoint too, and the payload never ran."""
+    marker = tmp_path / "marker"
+
+    class Payload:
+        def __reduce__(self) -> tuple:
+            return (open, (str(marker), "w"))
+
+    ckpt = run_copy / "checkpoints" / "step-00000004"
+    torch.save({"optimizer": Payload(), "scaler": None}, ckpt / name)
+    progress = json.loads((ckpt / "progress.json").read_text())
+    progress["files"][name] = sha256_file(ckpt / name)
+    (ckpt / "progress.json").write_text(json.dumps(progress))
+    argv = ["--config", TINY, "--out", str(run_copy), "--resume", "auto", *RUN_FLAGS, "--train.max_steps=5"]
+    for trust in ([], ["--trust-checkpoint"]):
+        capsys.readouterr()
+        assert call(train_main, [*argv, *trust]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+        assert len(err) == 1 and f"{ckpt / name}: refused" in err[0] and "(io.open)" in err[0], err
+        assert not marker.exists()
 
 
 def test_resuming_a_finished_run_does_nothing(run_copy: Path, capsys: pytest.CaptureFixture) -> None:

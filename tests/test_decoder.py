@@ -538,7 +538,7 @@ def test_cost_model_formulas():
     a = 0.6
     for k in (1, 3, 8):
         assert expected_tokens([a] * k, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
-    # SCIENCE.md: c = 0.2, alpha = 0.5, k = 8 is a loss (0.77x).
+    # docs/science.md: c = 0.2, alpha = 0.5, k = 8 is a loss (0.77x).
     assert predicted_speedup([0.5] * 8, 8, flat, DraftCost(0.0, 0.2)) == pytest.approx(0.768, abs=1e-3)
     k, s = choose_k([0.5] * 16, flat, DraftCost(0.0, 0.2), 16)
     assert 1 <= k <= 3 and s > 1

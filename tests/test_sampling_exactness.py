@@ -1,6 +1,6 @@
 """Speculative sampling is exact: its samples follow the target's distribution as closely as plain sampling does.
 
-Setup (SCIENCE.md, "How to test exactness"): a 4-token language, sequences of length 4 (256 outcomes with exactly
+Setup (docs/science.md, "How exactness is tested"): a 4-token language, sequences of length 4 (256 outcomes with exactly
 computable probabilities), a random bigram target p and a draft q = target blended with noise. N sequences are
 drawn through the production acceptance rule `eval.decoder.verify_tree` (chains, i.i.d. trees, deterministic
 top-k trees) and compared with the exact distribution by total variation and a chi-square test (cells with

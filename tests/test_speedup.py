@@ -15,7 +15,7 @@ from eval.speedup import extend_rates, flat_speedup, speedup_model
 
 
 def test_science_md_anchor_k8_is_a_loss():
-    """SCIENCE.md: with c = 0.2 and alpha = 0.5, k = 8 is a loss (0.77x)."""
+    """docs/science.md: with c = 0.2 and alpha = 0.5, k = 8 is a loss (0.77x)."""
     assert flat_speedup(0.5, 8, 0.2) == pytest.approx(0.768, abs=1e-3)
     assert flat_speedup(0.5, 1, 0.2) == pytest.approx(1.25)
     assert flat_speedup(1.0, 3, 0.0) == 4.0
@@ -37,7 +37,7 @@ def test_extend_rates_repeats_the_deepest():
 
 
 def test_growing_verify_cost_moves_best_k_down():
-    """On CPUs the verify cost grows with k (SCIENCE.md's 2-core figures): long chains stop paying."""
+    """On CPUs the verify cost grows with k (docs/science.md's 2-core figures): long chains stop paying."""
     free = DraftCost(0.0, 0.0)
     flat = speedup_model([0.6], 1.0, VerifyCost({1: 0.057, 64: 0.057}, 0), free)
     cpu = speedup_model([0.6], 1.0, VerifyCost({1: 0.057, 6: 0.125}, 0), free)  # +13.6 ms per token

@@ -5,27 +5,31 @@
     write_checkpoint(OUT / "checkpoints" / "step-00000120", accelerator, model, optimizer, scheduler,
                      write_head, record)
 
-A checkpoint is the folder OUT/checkpoints/step-NNNNNNNN. A single-process or DDP run writes only JSON and
-safetensors, so nothing in it can execute on load: `state.safetensors` + `state.json` (head weights,
-AdamW state, grad scaler), `rng.rankR.safetensors` + `.json` (each rank's Python, numpy, torch and CUDA RNG
-states). DeepSpeed and FSDP write their own (pickle) files through accelerator.save_state; resuming those
-needs `--trust-checkpoint`. progress.json is written last (atomically): the step, the lr scheduler's
-state_dict (its position), the config, the target's record and every other file's sha256, so a folder
-without a sound progress.json is unfinished. The data order needs no state: it is a pure function of the
-step (train/batches.py).
+A checkpoint is the folder OUT/checkpoints/step-NNNNNNNN. A single-process or DDP run writes the head's
+weights as safetensors (`model.safetensors`) and the rest with torch.save: `state.pt` (AdamW state, grad
+scaler) and `rng.rankR.pt` (each rank's Python, numpy, torch and CUDA RNG states). Those are read back with
+torch.load(weights_only=True), which refuses any pickled object other than tensors and plain containers, so
+nothing in the folder can execute on load, whoever wrote it. DeepSpeed and FSDP write their own (pickle)
+files through accelerator.save_state; resuming those needs `--trust-checkpoint`. progress.json is written
+last (atomically): the step, the lr scheduler's state_dict (its position), the config, the target's record
+and every other file's sha256, so a folder without a sound progress.json is unfinished. The data order needs
+no state: it is a pure function of the step (train/batches.py).
 
-`--resume PATH|auto` reads progress.json, checks every checksum and refuses pickle files (unless trusted);
+`--resume PATH|auto` reads progress.json, checks every checksum and refuses files it would not read safely
+(any but .json, .safetensors and its own weights_only .pt files) unless trusted;
 `auto` takes the newest sound checkpoint, skipping a corrupt newest one with a warning. A changed config
 key is applied and listed in the run's `resume` event, or refused when it would change the model, its
 data or the data order (FIXED_ON_RESUME). The two newest checkpoints are kept (rotate_checkpoints:
 accelerate's ProjectConfiguration(total_limit=...) rotates only folders its own save_state names, and its
-save_state pickles the RNG states, which this format avoids).
+load_state unpickles the RNG states with weights_only=False, which this format avoids).
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import random
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -46,8 +50,12 @@ from heads.base import TargetIO, check_finite, check_target, sha256_file
 from train.batches import Plan
 from train.errors import TrainError
 
-SAFE_SUFFIXES = (".json", ".safetensors")
-CKPT_FORMAT = "draftheads-state"
+# Files this module reads without running code: JSON, safetensors, and its own torch.save files (.pt), which
+# it reads only with weights_only=True. Anything else (accelerate's .pkl/.bin) needs --trust-checkpoint.
+SAFE_SUFFIXES = (".json", ".safetensors", ".pt")
+WEIGHTS_FILE = "model.safetensors"  # the head's weights
+STATE_FILE = "state.pt"  # optimizer and grad scaler state
+CKPT_FORMAT = "draftheads-state-2"
 KEEP_CHECKPOINTS = 2
 # Config keys a resume cannot change (they define the model, its data or its data order), except the
 # caches and paths in FREE_ON_RESUME; every other changed key is applied and recorded in a `resume` event.
@@ -102,9 +110,13 @@ def read_checkpoint(ckpt: Path, trust: bool = False) -> dict:
     if bad and not trust:
         raise TrainError(f"{ckpt}: holds pickle files that could run code when loaded ({', '.join(bad[:3])}); "
                          f"resume only a checkpoint you wrote yourself, with --trust-checkpoint")
-    if progress.get("format") != CKPT_FORMAT and not trust:
-        raise TrainError(f"{path}: not a {CKPT_FORMAT} checkpoint (an older or DeepSpeed/FSDP one); resume it "
-                         f"with --trust-checkpoint if you wrote it yourself")
+    fmt = progress.get("format")
+    if fmt not in (CKPT_FORMAT, "accelerate"):
+        raise TrainError(f"{path}: checkpoint format {fmt!r} is not {CKPT_FORMAT!r} (written by another version); "
+                         f"start a new --out")
+    if fmt == "accelerate" and not trust:
+        raise TrainError(f"{path}: a DeepSpeed/FSDP checkpoint (accelerate's pickle files); resume it with "
+                         f"--trust-checkpoint if you wrote it yourself")
     return progress
 
 
@@ -154,76 +166,64 @@ def open_resume(cfg: RunConfig, resume: str | None, trust: bool) -> Resume:
 
 
 # ----------------------------------------------------------------------------------------------- the state files
-def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
-    """Python, numpy, torch (and CUDA) RNG states as JSON + tensors (no pickle)."""
-    py = random.getstate()
+def _load_safe(path: Path) -> Any:
+    """torch.load restricted to tensors and plain containers (weights_only): a planted pickle cannot run."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # torch names the refused global in a long paragraph: keep the name
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        raise TrainError(f"{path}: refused: it pickles an object other than tensors and plain values "
+                         f"({found.group(1) if found else 'weights_only'}); it was not loaded") from None
+
+
+def _rng_state() -> dict[str, Any]:
+    """Python, numpy, torch (and CUDA) RNG states in types weights_only loads (numpy's key array as a tensor)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype(np.int64))}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda.{i}"] = s
-    return {"python": [py[0], list(py[1]), py[2]], "numpy": [name, int(pos), int(has_gauss), float(gauss)]}, tensors
+    return {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
-def _set_rng_state(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-    v, state, gauss = meta["python"]
-    random.setstate((v, tuple(state), gauss))
-    name, pos, has_gauss, g = meta["numpy"]
-    np.random.set_state((name, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, g))
-    torch.set_rng_state(tensors["torch"])
-    cuda = [tensors[f"cuda.{i}"] for i in range(torch.cuda.device_count()) if f"cuda.{i}" in tensors]
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    cuda = state["cuda"][:torch.cuda.device_count()]
     if cuda:
         torch.cuda.set_rng_state_all(cuda)
 
 
 def save_state(path: Path, accelerator: Any, model: nn.Module, optimizer: Any, main_proc: bool) -> None:
-    """The pickle-free checkpoint of a single-process or DDP run (the module holds the whole head)."""
+    """The checkpoint of a single-process or DDP run (the module holds the whole head): head weights as
+    safetensors, optimizer and grad scaler as STATE_FILE and each rank's RNG states, read back weights_only."""
     path.mkdir(parents=True, exist_ok=True)
-    meta, rng = _rng_state()
-    save_file({k: v.contiguous() for k, v in rng.items()}, str(path / f"rng.rank{accelerator.process_index}.safetensors"))
-    write_atomic(path / f"rng.rank{accelerator.process_index}.json", json.dumps(meta))
+    torch.save(_rng_state(), path / f"rng.rank{accelerator.process_index}.pt")
     if not main_proc:
         return
-    tensors = {f"model.{k}": v.detach().cpu().contiguous().clone()
-               for k, v in accelerator.unwrap_model(model).state_dict().items()}
-    check_finite({k.removeprefix("model."): v for k, v in tensors.items()}, str(path))
-    opt = optimizer.state_dict()
-    scalars: dict[str, dict[str, Any]] = {}
-    for pid, st in opt["state"].items():
-        scalars[str(pid)] = {}
-        for name, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"optim.{pid}.{name}"] = v.detach().cpu().contiguous().clone()
-            else:
-                scalars[str(pid)][name] = v
-    state = {"param_groups": opt["param_groups"], "optim_scalars": scalars,
-             "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
-    save_file(tensors, str(path / "state.safetensors"))
-    write_atomic(path / "state.json", json.dumps(state))
+    weights = {k: v.detach().cpu().contiguous().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    check_finite(weights, str(path))
+    save_file(weights, str(path / WEIGHTS_FILE))
+    torch.save({"optimizer": optimizer.state_dict(),
+                "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None},
+               path / STATE_FILE)
 
 
 def load_state(path: Path, accelerator: Any, model: nn.Module, optimizer: Any) -> None:
-    """Load what save_state wrote (safetensors and JSON only)."""
-    tensors = load_file(str(path / "state.safetensors"))
-    meta = json.loads((path / "state.json").read_text())
-    weights = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    """Load what save_state wrote (safetensors, and torch.load with weights_only)."""
+    weights = load_file(str(path / WEIGHTS_FILE))
     check_finite(weights, str(path))
     accelerator.unwrap_model(model).load_state_dict(weights)
-    opt_state: dict[int, dict[str, Any]] = {int(pid): dict(s) for pid, s in meta["optim_scalars"].items()}
-    for k, v in tensors.items():
-        if k.startswith("optim."):
-            _, pid, name = k.split(".", 2)
-            opt_state.setdefault(int(pid), {})[name] = v
-    optimizer.load_state_dict({"state": opt_state, "param_groups": meta["param_groups"]})
-    if meta.get("scaler") is not None and accelerator.scaler is not None:
-        accelerator.scaler.load_state_dict(meta["scaler"])
-    rank_file = path / f"rng.rank{accelerator.process_index}.safetensors"
+    state = _load_safe(path / STATE_FILE)
+    optimizer.load_state_dict(state["optimizer"])
+    if state["scaler"] is not None and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(state["scaler"])
+    rank_file = path / f"rng.rank{accelerator.process_index}.pt"
     if rank_file.is_file():  # a resume on fewer ranks: the others start from the seed's state
-        _set_rng_state(json.loads(rank_file.with_suffix(".json").read_text()), load_file(str(rank_file)))
+        _set_rng_state(_load_safe(rank_file))
 
 
 def own_format(accelerator: Any) -> bool:
-    """Whether this run writes the pickle-free format (DeepSpeed and FSDP shard the state their own way)."""
+    """Whether this run writes this module's format (DeepSpeed and FSDP shard the state their own way)."""
     return accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
 
 

@@ -30,7 +30,7 @@ The algorithm (`train`): prepare, then for each optimizer step: step, log, maybe
 - evaluate (`evaluate_holdout`): held-out loss, per-step top-1 and the simulated acceptance length
   (train/metrics.py) every train.eval_every steps, before the first step and at the end.
 - save, every train.checkpoint_every steps and at the end: OUT/head (save_head, loadable alone) and
-  OUT/checkpoints/step-NNNNNNNN (train/checkpoint.py: pickle-free, the two newest kept). `--resume
+  OUT/checkpoints/step-NNNNNNNN (train/checkpoint.py: nothing in it runs on load, the two newest kept). `--resume
   PATH|auto` continues with the same data order, so a stopped-and-resumed run logs the losses of an
   uninterrupted one; resuming a finished run does nothing.
 - SIGTERM or SIGUSR1 (train/signals.py): the step in flight finishes, all ranks agree, a checkpoint is

@@ -8,7 +8,7 @@
 with W = optim.warmup_steps, lr x (s+1)/W while s < W, then lr x (r + (1-r) x 0.5 (1 + cos(pi p))) with
 p = (s-W+1)/(T-W) and r = optim.min_lr_ratio, so the last step runs at lr x r. (Of transformers'
 schedulers this one matches the hand-written schedule this project had before, except that that one ran
-the peak lr twice, at s = W-1 and s = W, and reached the floor over T-W-1 cosine steps: README, Heads.)
+the peak lr twice, at s = W-1 and s = W, and reached the floor over T-W-1 cosine steps: docs/experiments.md, "The lr schedule".)
 
 The scheduler steps once per optimizer step (never scaled by the process count: it is not passed through
 accelerator.prepare, whose wrapper would step it once per process). Its state is its step: a checkpoint
