@@ -299,7 +299,13 @@ def check_settings(meta_path: Path, out_path: Path, settings: dict[str, Any], re
 
 
 def _check(rcfg: RegenerateConfig) -> None:
-    if not rcfg.shard_index < rcfg.num_shards:
+    if rcfg.batch_size < 1 or rcfg.max_new_tokens < 1:
+        raise DataError("regenerate.batch_size and regenerate.max_new_tokens must be >= 1")
+    if rcfg.temperature < 0 or not 0 < rcfg.top_p <= 1:
+        raise DataError("regenerate.temperature must be >= 0 and regenerate.top_p in (0, 1]")
+    if rcfg.tensor_parallel_size < 1 or rcfg.data_parallel_size < 1:
+        raise DataError("regenerate.tensor_parallel_size and regenerate.data_parallel_size must be >= 1")
+    if rcfg.num_shards < 1 or not 0 <= rcfg.shard_index < rcfg.num_shards:
         raise DataError(f"regenerate.shard_index must be in 0..num_shards-1 (num_shards {rcfg.num_shards}), "
                         f"got {rcfg.shard_index}")
 

@@ -489,3 +489,16 @@ def test_resuming_a_finished_run_does_nothing(run_copy: Path, capsys: pytest.Cap
     assert "already finished" in capsys.readouterr().out
     assert [x["event"] for x in rows(run_copy)].count("end") == 1
     assert snapshot(run_copy / "checkpoints", run_copy / "head") == before
+
+
+def test_checkpoint_of_another_format_is_refused_by_name(tmp_path: Path) -> None:
+    """A checkpoint of the earlier own format (state in safetensors + JSON) is refused, trusted or not; one
+    with no format (accelerate's files, from before the own format) needs --trust-checkpoint."""
+    (tmp_path / "progress.json").write_text(json.dumps({"step": 2, "format": "draftheads-state", "files": {}}))
+    for trust in (False, True):
+        with pytest.raises(train.checkpoint.TrainError, match="format 'draftheads-state' is not 'draftheads-state-2'"):
+            train.checkpoint.read_checkpoint(tmp_path, trust=trust)
+    (tmp_path / "progress.json").write_text(json.dumps({"step": 2, "files": {}}))
+    with pytest.raises(train.checkpoint.TrainError, match="--trust-checkpoint"):
+        train.checkpoint.read_checkpoint(tmp_path)
+    assert train.checkpoint.read_checkpoint(tmp_path, trust=True)["step"] == 2

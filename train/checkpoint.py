@@ -110,13 +110,13 @@ def read_checkpoint(ckpt: Path, trust: bool = False) -> dict:
     if bad and not trust:
         raise TrainError(f"{ckpt}: holds pickle files that could run code when loaded ({', '.join(bad[:3])}); "
                          f"resume only a checkpoint you wrote yourself, with --trust-checkpoint")
-    fmt = progress.get("format")
-    if fmt not in (CKPT_FORMAT, "accelerate"):
+    fmt = progress.get("format")  # None: a run from before this module had its own format (accelerate's)
+    if fmt not in (CKPT_FORMAT, "accelerate", None):
         raise TrainError(f"{path}: checkpoint format {fmt!r} is not {CKPT_FORMAT!r} (written by another version); "
                          f"start a new --out")
-    if fmt == "accelerate" and not trust:
-        raise TrainError(f"{path}: a DeepSpeed/FSDP checkpoint (accelerate's pickle files); resume it with "
-                         f"--trust-checkpoint if you wrote it yourself")
+    if fmt != CKPT_FORMAT and not trust:
+        raise TrainError(f"{path}: not a {CKPT_FORMAT} checkpoint (an older or DeepSpeed/FSDP one, accelerate's "
+                         f"pickle files); resume it with --trust-checkpoint if you wrote it yourself")
     return progress
 
 
