@@ -11,7 +11,7 @@ code 2. Anything else is a bug and keeps its traceback. A user error is an insta
 project's own error classes in data/, train/, eval/ and scripts/ derive from it), of heads.base.HeadError
 (heads/ sits below data/ and cannot derive from this module), an OSError a user causes (missing file,
 permission, full disk, read-only file system), or running out of (GPU) memory, which names the settings
-that size the batches. Messages spanning lines are joined into one.
+that size the batches. Messages spanning lines are joined into one. Ctrl-C is one line too (exit 130).
 
 `write_atomic(path, text_or_bytes)` writes under a temp name in the same folder, fsyncs and renames, so a
 crash leaves either the old file or the new one, never half of one.
@@ -77,6 +77,9 @@ def cli_main(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:  # Ctrl-C: the user knows; one line, no traceback (130 = 128 + SIGINT)
+            print("error: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
         except Exception as e:
             if not is_user_error(e):
                 raise

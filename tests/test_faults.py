@@ -1,0 +1,122 @@
+"""Issue 29: nothing lost, nothing clobbered, nothing claimed that was not measured.
+
+Each test replays one case of the audit and asserts the new behaviour: a one-line refusal (exit 2) and
+every file that existed before unchanged, or a clean resume. Subprocesses go through tests/procs.py.
+
+    .venv/bin/python -m pytest -q tests/test_faults.py
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from procs import run
+
+from data.cli import UserError, cli_main
+from data.config import load_config
+from data.files import FolderLock, append_line
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file below `folder` (not following symlinks) and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.is_symlink()}
+
+
+def _finished_run(out: Path) -> Path:
+    """A folder laid out like a finished training run (what a fresh run must not replace)."""
+    (out / "head").mkdir(parents=True)
+    (out / "head" / "model.safetensors").write_bytes(b"weights of the finished run")
+    (out / "checkpoints" / "step-00000006").mkdir(parents=True)
+    (out / "config.yaml").write_text("seed: 0\n")
+    (out / "metrics.jsonl").write_text('{"event": "end", "step": 6}\n')
+    return out
+
+
+def _train_cfg(out: Path, tmp_path: Path):
+    cfg = load_config("configs/tiny-eagle.yaml", ["--train.max_steps=4", "--train.batch_size=2",
+                                                  "--train.log_every=1", "--train.eval_every=100",
+                                                  "--train.checkpoint_every=100", "--optim.warmup_steps=1",
+                                                  f"--data.cache_dir={tmp_path / 'tok-cache'}"])
+    cfg.out = str(out)
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------- training folders
+def test_fresh_training_refuses_a_finished_run_directly_and_through_a_symlink(tmp_path):
+    from train.errors import TrainError
+    from train.loop import train
+
+    run_dir = _finished_run(tmp_path / "run")
+    before = _snapshot(run_dir)
+    with pytest.raises(TrainError, match="already holds a training run.*--resume auto"):
+        train(_train_cfg(run_dir, tmp_path))
+    (tmp_path / "link").symlink_to(run_dir)
+    with pytest.raises(UserError, match="symlink"):
+        train(_train_cfg(tmp_path / "link", tmp_path))
+    assert _snapshot(run_dir) == before
+
+
+def test_a_symlink_inside_the_run_folder_is_refused_and_its_target_untouched(tmp_path):
+    from train.loop import train
+
+    victim = tmp_path / "elsewhere.txt"
+    victim.write_text("a file outside the run\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(UserError, match="metrics.jsonl: a symlink inside the run folder"):
+        train(_train_cfg(tmp_path / "run", tmp_path), resume="auto")
+    assert victim.read_text() == "a file outside the run\n"
+    with pytest.raises(UserError, match="symlink"):
+        append_line(tmp_path / "run" / "metrics.jsonl", "{}")
+    assert victim.read_text() == "a file outside the run\n"
+
+
+def test_a_second_training_on_one_folder_is_refused_and_a_dead_holders_lock_is_taken(tmp_path):
+    from train.loop import train
+
+    out = tmp_path / "run"
+    with FolderLock(out, "a training"):  # a live process (this one) trains there
+        with pytest.raises(UserError, match=f"already running here \\(process {os.getpid()}"):
+            train(_train_cfg(out, tmp_path), resume="auto")
+    assert not out.exists()  # the refused run left nothing, not even the folder its lock created
+    out.mkdir()
+    dead = run([sys.executable, "-c", "import os; print(os.getpid())"], timeout=60)
+    (out / ".lock").write_text(f"{int(dead.stdout)} {socket.gethostname()}\n")  # a SIGKILLed run's lock
+    with FolderLock(out, "a training") as lock:
+        assert lock.owned and (out / ".lock").read_text().split()[0] == str(os.getpid())
+    assert not (out / ".lock").exists()
+
+
+def test_ctrl_c_saves_a_checkpoint_and_a_resume_finishes(tmp_path, capsys):
+    from train.loop import train
+
+    cfg = _train_cfg(tmp_path / "run", tmp_path)
+
+    def ctrl_c(step: int) -> None:
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    stopped = train(cfg, on_step=ctrl_c)
+    assert stopped["stopped"] and (tmp_path / "run" / "checkpoints" / "step-00000002" / "progress.json").is_file()
+    assert "stopped by signal; state saved to" in capsys.readouterr().out
+    assert train(cfg, resume="auto")["step"] == 4
+    assert not (tmp_path / "run" / ".lock").exists()
+
+
+def test_keyboard_interrupt_at_the_cli_is_one_line(capsys):
+    @cli_main
+    def main() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and err == "error: interrupted (Ctrl-C)\n"
