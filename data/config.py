@@ -574,11 +574,16 @@ def load_config(
     return cfg
 
 
+def config_text(cfg: Any) -> str:
+    """The resolved config as config.yaml holds it."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def save_config(cfg: Any, out_dir: str | Path) -> Path:
     """Write the resolved config to OUT/config.yaml (what the run really used)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return write_atomic(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return write_atomic(out / "config.yaml", config_text(cfg))
 
 
 def parse_args(

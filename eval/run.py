@@ -57,7 +57,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from data.cli import UserError, cli_main
-from data.config import EvalConfig, RunConfig, TargetConfig, parse_args, save_config, to_dict
+from data.config import EvalConfig, RunConfig, TargetConfig, config_text, parse_args, to_dict
 from data.readers import read_records
 from data.regenerate import eos_ids
 from data.target import load_target
@@ -67,10 +67,10 @@ from eval.costs import Calibration, VerifyCost, calibrate, choose_k, ideal_speed
 from eval.decoder import GenerationStats, plain_generate, speculative_generate
 from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter
 from eval.policy import AdaptivePolicy, LearnedVerifyCost, measured_prior
-from eval.report import markdown, write_report
+from eval.report import claim_eval_folder, markdown, write_report
 from eval.speedup import speedup_model
 from eval.vllm_engine import ServeError, check_servable, served_sections  # imports vllm only when serving
-from heads.base import Drafter, family_module, load_head, read_head_config
+from heads.base import Drafter, family_module, load_head, read_head_config, sha256_file
 
 BASELINES = ("ngram", "hf_prompt_lookup")
 DRAFTERS = ("head", "ngram", "head+ngram")
@@ -530,6 +530,7 @@ def _report(target_cfg: TargetConfig, head_dir: str | Path | None, subject: _Sub
     return {
         "target": target_cfg.name_or_path,
         "head": None if head_dir is None else str(head_dir),
+        "head_sha256": None if head_dir is None else sha256_file(Path(head_dir) / "model.safetensors"),
         "family": None if subject.head_cfg is None else subject.head_cfg.family,
         "drafter": subject.main,
         "k": costs.k,
@@ -567,6 +568,7 @@ def evaluate(
     loaded: tuple[nn.Module, Any, Any] | None = None,
     log: Callable[[str], None] = print,
     engine: str = "builtin",
+    config_yaml: str | None = None,
 ) -> dict[str, Any]:
     """Run the whole eval and write the report files into out_dir; returns the report dict (report.json).
 
@@ -574,7 +576,8 @@ def evaluate(
     target_cfg: the target to load (default: the one named in the head's config.json; for drafter
     "ngram" without a head it is required). loaded: (model, tokenizer, TargetIO) already in memory, used
     instead of loading (the head is still checked against it). engine "vllm": also serve the head in vLLM
-    (eval/vllm_engine.py). Raises HeadMismatchError for a head made
+    (eval/vllm_engine.py). config_yaml: written as config.yaml with the report (eval/report.py's
+    write_report says in which order). Raises HeadMismatchError for a head made
     for another target, EvalError / DataError / TargetLoadError for bad input.
 
     The stages, in order (each a function above):
@@ -583,6 +586,7 @@ def evaluate(
     (--engine vllm), fit the speedup model, sweep batch sizes, assemble and write the report.
     """
     _check_request(cfg_eval, drafter, head_dir, baselines)
+    claim_eval_folder(out_dir)
     head_meta, target_cfg = _resolve_target(head_dir, target_cfg)
     questions = {bench_name(b): load_questions(b, cfg_eval.max_questions) for b in cfg_eval.bench}
     _check_engine(engine, head_meta, drafter, cfg_eval.tree)
@@ -599,7 +603,7 @@ def evaluate(
     batch = _batch_sweep(target, questions, cfg_eval.batch_sizes, costs.k, sweep_new_tokens, log)
     report = _report(target_cfg, head_dir, subject, costs, cfg_eval, target.device, benchmarks=benchmarks,
                      speedup=speedup, batch=batch)
-    write_report(report, out_dir)
+    write_report(report, out_dir, config_yaml)
     return report
 
 
@@ -668,10 +672,11 @@ def main(argv: list[str] | None = None) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
     hf_logging.set_verbosity_error()  # generate()'s notes on generation flags are noise here
-    save_config(cfg, out)
+    claim_eval_folder(out)  # before any work: a folder eval must not write into is refused at once
     report = evaluate(args.head, ev, out, target_cfg, drafter=drafter,
                       baselines=[b.strip() for b in args.baselines.split(",") if b.strip()],
-                      sweep_new_tokens=args.sweep_new_tokens, seed=cfg.seed, engine=args.engine)
+                      sweep_new_tokens=args.sweep_new_tokens, seed=cfg.seed, engine=args.engine,
+                      config_yaml=config_text(cfg))
     print(markdown(report))
     print(f"wrote {out / 'report.json'}, {out / 'report.md'} and plots")
 

@@ -19,7 +19,7 @@ from procs import run
 
 from data.cli import UserError, cli_main
 from data.config import load_config
-from data.files import FolderLock, append_line
+from data.files import FolderLock, append_line, claim_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,3 +120,52 @@ def test_keyboard_interrupt_at_the_cli_is_one_line(capsys):
         main()
     err = capsys.readouterr().err
     assert e.value.code == 130 and err == "error: interrupted (Ctrl-C)\n"
+
+
+# ----------------------------------------------------------------------------------------------- eval folders
+def test_eval_out_at_a_training_run_is_refused_before_any_work(tmp_path, capsys):
+    from eval.run import main
+
+    run_dir = _finished_run(tmp_path / "run")
+    before = _snapshot(run_dir)
+    with pytest.raises(SystemExit) as e:
+        main(["--drafter", "ngram", "--target", "tiny-random-llama", "--bench", "gsm8k", "--out", str(run_dir)])
+    assert e.value.code == 2 and "did not write" in capsys.readouterr().err
+    assert _snapshot(run_dir) == before
+    with pytest.raises(UserError, match="owned by stage .eval."):
+        claim_folder(tmp_path / "ev", "eval", ())  # an eval folder: export or training may not take it
+        claim_folder(tmp_path / "ev", "export", ())
+
+
+def _report(tau: float, max_new: int) -> dict:
+    bench = {"by_temperature": {"0.0": {"tau": tau, "speedup": 1.2, "acceptance_per_position": [0.5],
+                                        "plain": {"tokens_per_s": 10.0}, "categories": {}, "baselines": {}}}}
+    return {"target": "t", "drafter": "ngram", "k": 2, "k_source": "fixed", "tree": "chain", "policy": "fixed",
+            "tau_definition": "tau", "speedup_definition": "s", "max_new_tokens": max_new,
+            "benchmarks": {"b": bench}, "machine": {"device": "cpu"}}
+
+
+def test_a_killed_report_write_leaves_no_mixed_report(tmp_path, monkeypatch):
+    import eval.report as rep
+
+    monkeypatch.setattr(rep, "markdown", lambda r: f"max {r['max_new_tokens']} new tokens\n")
+    monkeypatch.setattr(rep, "PLOTS", ())
+    rep.write_report(_report(2.0, 16), tmp_path / "ev", config_yaml="seed: 0\n")
+    assert rep.load_report(tmp_path / "ev")["max_new_tokens"] == 16
+
+    def killed(path, data):  # the process dies right after report.md is in place
+        if Path(path).name == "report.json":
+            raise KeyboardInterrupt
+        return real(path, data)
+
+    real = rep.write_atomic
+    monkeypatch.setattr(rep, "write_atomic", killed)
+    with pytest.raises(KeyboardInterrupt):
+        rep.write_report(_report(3.0, 64), tmp_path / "ev", config_yaml="seed: 1\n")
+    with pytest.raises(UserError, match="no eval finished"):
+        rep.load_report(tmp_path / "ev")  # none, never the old report.json beside the new report.md
+    monkeypatch.setattr(rep, "write_atomic", real)
+    rep.write_report(_report(3.0, 64), tmp_path / "ev", config_yaml="seed: 1\n")
+    (tmp_path / "ev" / "report.md").write_text("max 16 new tokens\n")  # the pair disagrees: refused
+    with pytest.raises(UserError, match="report.md: does not match"):
+        rep.load_report(tmp_path / "ev")
