@@ -8,6 +8,7 @@ every file that existed before unchanged, or a clean resume. Subprocesses go thr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from procs import run
 
 from data.cli import UserError, cli_main
@@ -169,3 +171,47 @@ def test_a_killed_report_write_leaves_no_mixed_report(tmp_path, monkeypatch):
     (tmp_path / "ev" / "report.md").write_text("max 16 new tokens\n")  # the pair disagrees: refused
     with pytest.raises(UserError, match="report.md: does not match"):
         rep.load_report(tmp_path / "ev")
+
+
+# ----------------------------------------------------------------------------------------------- publish
+def _publish():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("publish", ROOT / "scripts" / "publish.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture()
+def head_dir(tiny_target, tmp_path):
+    from heads import eagle
+    from heads.base import save_head
+
+    torch.manual_seed(0)
+    cfg = eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=64)
+    return save_head(tmp_path / "run" / "head", eagle.build(cfg, tiny_target[2]), cfg, tiny_target[2])
+
+
+def test_publish_refuses_a_report_of_another_head(head_dir, tmp_path, capsys):
+    ev = tmp_path / "run" / "eval"
+    ev.mkdir()
+    (ev / "report.json").write_text(json.dumps({"head_sha256": "0" * 64, "benchmarks": {
+        "b": {"by_temperature": {"0.0": {"tau": 9.99, "speedup": 5.0}}}}}))
+    assert _publish().main(["--head", str(head_dir), "--repo-id", "me/x", "--dry-run"]) == 2
+    out = capsys.readouterr()
+    assert "measured another head" in out.err and "9.99" not in out.out
+
+
+def test_publish_refuses_a_repo_id_the_hub_would_refuse(head_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        _publish().main(["--head", str(head_dir), "--repo-id", "me/x `rm -rf ~`", "--dry-run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--repo-id" in err and "Traceback" not in err
+
+
+def test_publish_keeps_the_traceback_of_a_bug(head_dir, monkeypatch):
+    mod = _publish()
+    monkeypatch.setattr(mod, "find_report", lambda *a: (_ for _ in ()).throw(KeyError("bug")))
+    with pytest.raises(KeyError):
+        mod.main(["--head", str(head_dir), "--repo-id", "me/x", "--dry-run"])
