@@ -215,3 +215,45 @@ def test_publish_keeps_the_traceback_of_a_bug(head_dir, monkeypatch):
     monkeypatch.setattr(mod, "find_report", lambda *a: (_ for _ in ()).throw(KeyError("bug")))
     with pytest.raises(KeyError):
         mod.main(["--head", str(head_dir), "--repo-id", "me/x", "--dry-run"])
+
+
+# ----------------------------------------------------------------------------------------------- exports
+KILL_DURING_COMMIT = """
+import os, signal, sys
+import convert.folders as f
+from convert import export_head
+from data.config import TargetConfig
+from data.target import load_target
+_, _, io = load_target(TargetConfig(name_or_path="tiny-random-llama", device="cpu"))
+real = f.validate_folder
+def killed(folder, fmt, target=None):
+    real(folder, fmt, target)
+    os.kill(os.getpid(), signal.SIGKILL)  # the new export is complete beside the old one: die before the swap
+f.validate_folder = killed
+export_head(sys.argv[1], sys.argv[2], sys.argv[3], io, force=True)
+"""
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "native"])
+def test_sigkill_during_export_force_keeps_the_old_export_and_a_rerun_replaces_it(head_dir, tiny_target, tmp_path, fmt):
+    from convert import export_head
+
+    out = export_head(head_dir, fmt, tmp_path / "exp", tiny_target[2])
+    before = _snapshot(out)
+    res = run([sys.executable, "-c", KILL_DURING_COMMIT, str(head_dir), fmt, str(out)], cwd=ROOT, timeout=120,
+              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == -signal.SIGKILL, res.stdout + res.stderr
+    assert _snapshot(out) == before  # the previous complete export, untouched
+    assert export_head(head_dir, fmt, out, tiny_target[2], force=True) == out  # the rerun replaces it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "run"]  # the killed run's temporary folder is gone
+
+
+def test_export_to_a_symlinked_out_is_refused_and_leaves_nothing(head_dir, tiny_target, tmp_path):
+    from convert import ExportError, export_head
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    for fmt in ("speculators", "native"):
+        with pytest.raises(ExportError, match="link: is a symlink"):
+            export_head(head_dir, fmt, tmp_path / "link", tiny_target[2], force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real", "run"]
