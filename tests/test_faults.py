@@ -257,3 +257,58 @@ def test_export_to_a_symlinked_out_is_refused_and_leaves_nothing(head_dir, tiny_
         with pytest.raises(ExportError, match="link: is a symlink"):
             export_head(head_dir, fmt, tmp_path / "link", tiny_target[2], force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real", "run"]
+
+
+# ----------------------------------------------------------------------------------------------- head folders
+def _tampered_head(head_dir: Path, tmp_path: Path, edit) -> Path:
+    """A copy of head_dir whose weights (and recorded sha256) went through `edit(state, meta)`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from heads.base import sha256_file
+
+    out = tmp_path / "tampered"
+    shutil.copytree(head_dir, out)
+    state, meta = load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text())
+    edit(state, meta)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if "files" in meta:
+        meta["files"] = {"model.safetensors": sha256_file(out / "model.safetensors")}
+    (out / "config.json").write_text(json.dumps(meta))
+    return out
+
+
+@pytest.mark.parametrize("bad", ["d2t_out_of_range", "d2t_negative", "t2d_disagrees"])
+def test_a_head_whose_vocab_map_leaves_the_vocabulary_is_refused(head_dir, tiny_target, tmp_path, bad):
+    from convert import export_head
+    from heads.base import HeadError, load_head
+
+    def edit(state, meta):
+        if bad == "d2t_out_of_range":
+            state["d2t"][-1] = 10_000
+        elif bad == "d2t_negative":
+            state["d2t"][3] = -2
+        else:
+            state["t2d"][:] = False
+
+    head = _tampered_head(head_dir, tmp_path, edit)
+    with pytest.raises(HeadError, match="d2t|t2d"):
+        load_head(head, tiny_target[2])
+    with pytest.raises(HeadError, match="d2t|t2d"):
+        export_head(head, "speculators", tmp_path / "exp", tiny_target[2])
+    assert not (tmp_path / "exp").exists()
+
+
+def test_a_head_without_its_checksum_is_refused_not_recertified(head_dir, tiny_target, tmp_path):
+    from convert import export_head
+    from heads.base import HeadError
+
+    def flip(state, meta):
+        state["lm_head.weight"].neg_()  # flipped weights
+        meta.pop("files")
+
+    head = _tampered_head(head_dir, tmp_path, flip)
+    with pytest.raises(HeadError, match="'files'"):
+        export_head(head, "native", tmp_path / "exp", tiny_target[2])
+    assert not (tmp_path / "exp").exists()
