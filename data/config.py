@@ -472,8 +472,29 @@ _UniqueKeyLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
+MAX_YAML_DEPTH = 32  # far deeper than any config; the composer recurses per level
+
+
+def _check_yaml_events(text: str) -> None:
+    """Refuse aliases and very deep nesting before anything is composed (yaml.YAMLError naming the line):
+    an alias bomb ("billion laughs") expands exponentially, a recursive alias or deep nesting exhausts
+    the recursion of the composer. A config never needs either. The parser itself does not recurse."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.YAMLError(f"line {line}: YAML aliases (*{event.anchor}) are not allowed in a config")
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise yaml.YAMLError(f"line {line}: nested more than {MAX_YAML_DEPTH} levels deep")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
 def _parse_yaml(text: str) -> tuple[Any, dict[Loc, int]]:
     """The YAML document and the 1-based line of every key and list item in it (by its pydantic loc)."""
+    _check_yaml_events(text)
     loader = _UniqueKeyLoader(text)
     try:
         node = loader.get_single_node()
@@ -537,6 +558,7 @@ def _apply_overrides(tree: dict, overrides: list[str]) -> list[Loc]:
             raise ConfigError(f"command line: override '{item}' must look like --key.sub=value")
         key, raw = flag.split("=", 1)
         try:
+            _check_yaml_events(raw)  # an alias or deep nesting stays the plain string it was typed as
             value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw != "" else None
         except yaml.YAMLError:
             value = raw

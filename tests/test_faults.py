@@ -9,6 +9,7 @@ every file that existed before unchanged, or a clean resume. Subprocesses go thr
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -312,3 +313,21 @@ def test_a_head_without_its_checksum_is_refused_not_recertified(head_dir, tiny_t
     with pytest.raises(HeadError, match="'files'"):
         export_head(head, "native", tmp_path / "exp", tiny_target[2])
     assert not (tmp_path / "exp").exists()
+
+
+# ----------------------------------------------------------------------------------------------- config files
+@pytest.mark.parametrize("doc,needle", [
+    # billion laughs: 9^5 list items from a few lines (the loader used to hang expanding them)
+    ("a: &a [x,x,x,x,x,x,x,x,x]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+     "d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ntrain: [*d,*d,*d,*d,*d,*d,*d,*d,*d]\n", "line 2: YAML aliases (*a)"),
+    ("train: &t [*t]\n", "YAML aliases (*t)"),  # recursive: a RecursionError traceback before
+    ("train: " + "[" * 3000 + "]" * 3000 + "\n", "nested more than"),
+])
+def test_config_aliases_and_deep_nesting_are_one_line(tmp_path, doc, needle):
+    from data.config import ConfigError
+
+    path = tmp_path / "c.yaml"
+    path.write_text(doc)
+    with pytest.raises(ConfigError, match=re.escape(needle)) as e:
+        load_config(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
