@@ -56,7 +56,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from data.cli import UserError, cli_main
+from data.cli import UserError, cli_main, names_arg, number_arg
 from data.config import EvalConfig, RunConfig, TargetConfig, config_text, parse_args, to_dict
 from data.readers import read_records
 from data.regenerate import eos_ids
@@ -608,20 +608,6 @@ def evaluate(
 
 
 # ----------------------------------------------------------------------------------------------- CLI
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-
-
 def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", help="head folder (config.json + model.safetensors)")
     p.add_argument("--drafter", choices=DRAFTERS, help="what to evaluate (default: head if --head, else ngram); "
@@ -629,14 +615,19 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, help="adaptive: per-pass draft length from the request's acceptance "
                    "(default); fixed: k every pass")
     p.add_argument("--target", help="target name_or_path (default: the head's own target, or the config's)")
-    p.add_argument("--bench", help="comma-separated: mt_bench, humaneval, gsm8k or question files")
-    p.add_argument("--temperature", type=_floats, help="comma-separated temperatures, e.g. 0,1")
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--max-questions", type=int)
-    p.add_argument("--k", type=int, help="draft length (default: chosen from measured costs)")
-    p.add_argument("--batch-sizes", type=_ints, help="batch sizes of the sweep, e.g. 1,2,4,8,16")
-    p.add_argument("--sweep-new-tokens", type=int, default=32, help="tokens per row in the batch sweep")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default without a GPU: 1, see the module doc; "
+    # Every range is checked here, at parse time (data.cli.number_arg: one line, exit 2, before any work).
+    p.add_argument("--bench", type=names_arg("--bench"), help="comma-separated: mt_bench, humaneval, gsm8k or question files")
+    p.add_argument("--temperature", type=number_arg("--temperature", float, 0, many=True),
+                   help="comma-separated temperatures, e.g. 0,1")
+    p.add_argument("--max-new-tokens", type=number_arg("--max-new-tokens"))
+    p.add_argument("--max-questions", type=number_arg("--max-questions"))
+    p.add_argument("--k", type=number_arg("--k"), help="draft length (default: chosen from measured costs)")
+    p.add_argument("--batch-sizes", type=number_arg("--batch-sizes", many=True),
+                   help="batch sizes of the sweep, e.g. 1,2,4,8,16")
+    p.add_argument("--sweep-new-tokens", type=number_arg("--sweep-new-tokens"), default=32,
+                   help="tokens per row in the batch sweep")
+    p.add_argument("--threads", type=number_arg("--threads", minimum=0),
+                   help="torch CPU threads (default without a GPU: 1, see the module doc; "
                    "0 = torch's own choice)")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
                    help="vllm: also serve the exported head in vLLM and compare (the vllm extra; EAGLE-3)")
@@ -650,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, args = parse_args("Evaluate a drafter: tau, acceptance, speedup, batch sweep, reports.", argv, _flags)
     ev: EvalConfig = cfg.eval
     if args.bench:
-        ev.bench = [b.strip() for b in args.bench.split(",") if b.strip()]
+        ev.bench = args.bench
     for flag, field_name in (("temperature", "temperature"), ("max_new_tokens", "max_new_tokens"),
                              ("max_questions", "max_questions"), ("k", "num_draft_tokens"),
                              ("batch_sizes", "batch_sizes"), ("policy", "policy")):

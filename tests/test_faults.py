@@ -9,8 +9,8 @@ every file that existed before unchanged, or a clean resume. Subprocesses go thr
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import socket
 import sys
@@ -331,3 +331,17 @@ def test_config_aliases_and_deep_nesting_are_one_line(tmp_path, doc, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)) as e:
         load_config(path)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------- command lines
+@pytest.mark.parametrize("flag,value", [("--max-new-tokens", "0"), ("--bench", ","), ("--temperature", "nan"),
+                                        ("--temperature", "-1"), ("--batch-sizes", "0"), ("--batch-sizes", ""),
+                                        ("--threads", "-1"), ("--k", "0"), ("--max-questions", "-2")])
+def test_eval_ranges_are_checked_at_parse_time(tmp_path, capsys, flag, value):
+    from eval.run import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--drafter", "ngram", "--target", "tiny-random-llama", "--out", str(tmp_path / "ev"), f"{flag}={value}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: {flag}: expected") and err.count("\n") == 1, err
+    assert not (tmp_path / "ev").exists()
