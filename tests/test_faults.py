@@ -345,3 +345,61 @@ def test_eval_ranges_are_checked_at_parse_time(tmp_path, capsys, flag, value):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(f"error: {flag}: expected") and err.count("\n") == 1, err
     assert not (tmp_path / "ev").exists()
+
+
+# ----------------------------------------------------------------------------------------------- regeneration
+def _regen_cfg(out: Path, prompts: Path):
+    from data.config import RunConfig, TargetConfig
+
+    cfg = RunConfig()
+    cfg.target = TargetConfig(name_or_path="tiny-random-llama", device="cpu")
+    cfg.out = str(out)
+    cfg.regenerate.prompts = str(prompts)
+    cfg.regenerate.num_prompts = None
+    cfg.regenerate.max_new_tokens = 4
+    cfg.regenerate.batch_size = 2
+    return cfg
+
+
+def test_regenerate_refuses_an_existing_user_file_unchanged(tiny_target, tmp_path):
+    import data.regenerate as rg
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "x", "prompt": "hello"}) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "regenerated.jsonl").write_text('{"my": "notes"}\n{"not closed"')  # no newline at the end
+    (out / "config.yaml").write_text("mine: 1\n")
+    before = _snapshot(out)
+    with pytest.raises(UserError, match="regenerated.jsonl exists but regenerated.meta.json does not"):
+        rg.regenerate(_regen_cfg(out, prompts), tiny_target[0], tiny_target[1])
+    assert _snapshot(out) == before
+
+
+def test_duplicate_ids_stay_unique_uninterrupted_and_resumed(tiny_target, tmp_path, monkeypatch):
+    import data.regenerate as rg
+
+    rows = [{"id": i, "prompt": f"question {n}"} for n, i in enumerate(["a", "a", "a#2", "b", "a"])]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def ids(path: Path) -> list[str]:
+        return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+    whole = Path(rg.regenerate(_regen_cfg(tmp_path / "whole", prompts), *tiny_target[:2])["output"])
+    assert ids(whole) == ["a", "a#2", "a#2#2", "b", "a#3"]
+    real, calls = rg.generate_batch, []
+
+    def killed_on_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rg, "generate_batch", killed_on_second)
+    cfg = _regen_cfg(tmp_path / "cut", prompts)
+    with pytest.raises(KeyboardInterrupt):
+        rg.regenerate(cfg, *tiny_target[:2])
+    monkeypatch.setattr(rg, "generate_batch", real)
+    resumed = Path(rg.regenerate(cfg, *tiny_target[:2])["output"])
+    assert resumed.read_text() == whole.read_text()
