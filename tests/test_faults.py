@@ -403,3 +403,41 @@ def test_duplicate_ids_stay_unique_uninterrupted_and_resumed(tiny_target, tmp_pa
     monkeypatch.setattr(rg, "generate_batch", real)
     resumed = Path(rg.regenerate(cfg, *tiny_target[:2])["output"])
     assert resumed.read_text() == whole.read_text()
+
+
+# ----------------------------------------------------------------------------------------------- tokenized cache
+@pytest.mark.parametrize("alter", ["shifted", "out_of_vocab"])
+def test_altered_tokenized_cache_is_refused(tiny_target, tmp_path, alter):
+    import shutil
+
+    import datasets
+
+    from data.readers import DataError
+    from data.tokenize import build_datasets
+
+    cfg = load_config("configs/tiny-eagle.yaml", [f"--data.cache_dir={tmp_path / 'cache'}", "--data.max_samples=8"])
+    cfg.out = str(tmp_path / "run")
+    tok = tiny_target[1]
+    want = list(build_datasets(cfg, tok)[0][0]["input_ids"])  # read now: the datasets map the cache file
+    (cache,) = (tmp_path / "cache").glob("tokenized-*.arrow")
+    delta = 1 if alter == "shifted" else 10_000
+    ds = datasets.Dataset.from_file(str(cache))
+    ds.map(lambda r: {"input_ids": [(t + delta) % len(tok) if delta == 1 else t + delta for t in r["input_ids"]]},
+           cache_file_name=str(tmp_path / "altered.arrow"))
+    shutil.copyfile(tmp_path / "altered.arrow", cache)
+    with pytest.raises(DataError, match="does not match its checksum"):
+        build_datasets(cfg, tok)
+    cache.unlink()  # the one-line advice: delete it, and the same tokens come back
+    again = build_datasets(cfg, tok)
+    assert list(again[0][0]["input_ids"]) == want
+
+
+def test_out_of_vocabulary_tokens_are_one_line(tiny_target):
+    import datasets
+
+    from data.readers import DataError
+    from data.tokenize import check_token_range
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 10_000]]})
+    with pytest.raises(DataError, match=r"outside the tokenizer's vocabulary \[0, 259\)"):
+        check_token_range(ds, 259, "cache.arrow")
