@@ -441,3 +441,21 @@ def test_out_of_vocabulary_tokens_are_one_line(tiny_target):
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 10_000]]})
     with pytest.raises(DataError, match=r"outside the tokenizer's vocabulary \[0, 259\)"):
         check_token_range(ds, 259, "cache.arrow")
+
+
+# ----------------------------------------------------------------------------------------------- store locks
+def test_a_second_extraction_of_one_shard_set_is_refused(tiny_target, tmp_path):
+    from data.extract import extract_split, make_header, target_info
+    from data.tokenize import tokenize_records
+
+    model, tok, _ = tiny_target
+    ds = tokenize_records([{"id": "c", "messages": [{"role": "user", "content": "x" * 9},
+                                                    {"role": "assistant", "content": "y" * 5}]}], tok, 64)
+    header = make_header(target_info(model, "tiny-random-llama", None), [1], "float32", "train", ds, 1, 512, 512)
+    split = tmp_path / "features" / "train"
+    with FolderLock(split, "an extraction", name=".lock-r0000of0001"):  # another extraction of rank 0 of 1
+        with pytest.raises(UserError, match="already running here"):
+            extract_split(model, ds, split, header, show_progress=False)
+        assert not list(split.glob("shard-*")) and not list(split.glob("part-*"))
+    assert extract_split(model, ds, split, header, show_progress=False)["complete"]
+    assert not list(split.glob(".lock*"))
