@@ -459,3 +459,130 @@ def test_a_second_extraction_of_one_shard_set_is_refused(tiny_target, tmp_path):
         assert not list(split.glob("shard-*")) and not list(split.glob("part-*"))
     assert extract_split(model, ds, split, header, show_progress=False)["complete"]
     assert not list(split.glob(".lock*"))
+
+
+# ----------------------------------------------------------------------------------------------- test gaps
+# Planted bugs that passed every test before (scripts/check_mutants.py names the mutant each test catches).
+def test_max_new_tokens_budget_no_pass_drafts_past_the_end(tiny_target):
+    """Mutant spec_pass_drafts_past_max_new_tokens: every pass adds its accepted tokens plus one, so with an
+    always-right drafter 1 (prefill) + accepted + passes is exactly max_new_tokens; a pass that drafted past
+    the end would have its surplus cut off after it was counted (and computed)."""
+    from test_decoder import OracleDrafter
+
+    from eval.decoder import plain_generate, speculative_generate
+
+    model, tok, _ = tiny_target
+    prompt = tok("def add(a, b): return a + b", return_tensors="pt").input_ids
+    ref, _ = plain_generate(model, prompt, 24)
+    for m in (2, 5, 9, 24):
+        out, st = speculative_generate(model, prompt, OracleDrafter(ref, right=True), 6, m)
+        assert out.tolist() == ref[:m].tolist()
+        assert 1 + st.accepted_tokens + st.target_passes == st.new_tokens == m, (m, st.accepted_tokens)
+
+
+def test_credit_goes_to_the_proposer_of_each_accepted_node(tiny_target):
+    """Mutants accepted_credit_by_path_position / policy_credit_by_path_position: an accepted node's proposer
+    is its own tag (tree.sources[node]), not the tag at its position along the path."""
+    from test_decoder import _Tracker
+
+    from eval.costs import DraftCost, VerifyCost
+    from eval.decoder import plain_generate, speculative_generate
+    from eval.policy import AdaptivePolicy
+    from heads.base import DraftTree
+
+    model, tok, _ = tiny_target
+    prompt = tok("def add(a, b): return a + b", return_tensors="pt").input_ids
+    ref, _ = plain_generate(model, prompt, 4)
+
+    class Branches(_Tracker):  # a wrong head node first, then the right two-token n-gram branch
+        def draft(self, k, temperature):
+            right = [self.truth(1), self.truth(2)]
+            self.tree = DraftTree(torch.tensor([(right[0] + 1) % 259, *right]), torch.tensor([-1, -1, 1]),
+                                  sources=["head", "ngram", "ngram"])
+            return self.tree
+
+    _, st = speculative_generate(model, prompt, Branches(ref), 3, 4)
+    assert st.accepted_by_source == {"ngram": 2}
+    sources = ("head", "ngram")
+    pol = AdaptivePolicy(VerifyCost({1: 0.05, 4: 0.1}, context_len=8), {s: DraftCost(0.002, 0.001) for s in sources},
+                         {s: [0.5] * 4 for s in sources}, prior_weight=1.0, decay=1.0)
+    before = {s: list(pol.accepted[s]) for s in sources}
+    pol.observe(DraftTree(torch.tensor([9, 1, 2]), torch.tensor([-1, -1, 1]), sources=["head", "ngram", "ngram"]),
+                [1, 2])
+    assert pol.accepted["ngram"][:2] == [before["ngram"][0] + 1, before["ngram"][1] + 1]
+    assert pol.accepted["head"][0] == before["head"][0]  # judged at depth 1 and rejected: no credit
+
+
+def test_hybrid_budgets_go_to_their_own_proposer():
+    """Mutant hybrid_budgets_to_the_wrong_proposer: budgets {"head": 1, "ngram": 4} cap the head's chain at
+    one token and the n-gram's at four (swapped, the head would propose three and the n-gram one)."""
+    from eval.drafters import HybridDrafter, NgramDrafter
+    from heads.base import DraftTree
+
+    class Chain:
+        capture_layers = None
+
+        def draft(self, k, temperature):
+            return DraftTree.chain(torch.tensor([2, 7, 3][:k]))
+
+    ngram = NgramDrafter()
+    ngram.begin(torch.tensor([[5, 1, 2, 7, 8, 9, 5]]), None, 1)  # suffix (5, 1) was continued with 2 7 8 9
+    d = HybridDrafter(Chain(), ngram)
+    d.budgets = {"head": 1, "ngram": 4}
+    tree = d.draft(4, 0.0)
+    assert tree.tokens.tolist() == [2, 7, 8, 9] and tree.sources == ["head+ngram", "ngram", "ngram", "ngram"]
+
+
+def test_ttt_weighting_step_s_counts_decay_to_the_s(tiny_target):
+    """Mutant ttt_steps_weighted_in_reverse: the EAGLE-3 loss is sum_s ttt_decay**s * loss/s."""
+    from test_eagle import _batch, _eagle3
+
+    from heads import eagle
+
+    model, _, io = tiny_target
+    _, head = _eagle3(io, ttt_decay=0.5)
+    torch.manual_seed(1)
+    loss, m = eagle.loss(head, _batch(model, head, torch.randint(0, io.vocab_size, (2, 12))), io)
+    want = sum(0.5**s * m[f"loss/{s}"] for s in range(3))
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-5) and m["loss/0"] != pytest.approx(m["loss/2"])
+
+
+@pytest.mark.parametrize("t,k,p,mp", [(0.7, 5, 0.9, 0.0), (1.5, 0, 0.8, 0.0), (0.6, 20, 1.0, 0.1),
+                                      (1.8, 8, 0.7, 0.2)])
+def test_warper_order_is_model_generates(tiny_target, t, k, p, mp):
+    """Mutant temperature_after_top_p: target_distribution applies the warpers model.generate builds, in its
+    order (taken from transformers itself, not restated by hand)."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from data.sampling import target_distribution
+
+    model = tiny_target[0]
+    gc = GenerationConfig(do_sample=True, temperature=t, top_k=k, top_p=p, min_p=mp or None)
+    procs = model._get_logits_processor(gc, input_ids_seq_length=1, logits_processor=LogitsProcessorList(),
+                                        device="cpu")
+    torch.manual_seed(0)
+    logits = torch.randn(3, 259) * 4
+    want = torch.softmax(procs(torch.zeros(3, 1, dtype=torch.long), logits.clone()), -1)
+    torch.testing.assert_close(target_distribution(logits, t, k, p, mp), want)
+
+
+def test_per_row_positions_the_shortest_row_first(tiny_target):
+    """Mutant batch_rows_take_row_0s_positions: each row counts its own real tokens. With the most padded row
+    first, borrowing row 0's positions would put several real tokens of the others at position 0 (a row
+    whose positions are merely shifted by a constant looks the same under RoPE, so order matters here)."""
+    from transformers import LlamaForCausalLM
+
+    from data.target import tiny_config
+    from eval.batch import batched_generate
+
+    tok = tiny_target[1]
+    torch.manual_seed(1)  # test_decoder's varied tiny Llama (init 0.3): its greedy tokens depend on position
+    cfg = tiny_config("tiny-random-llama", len(tok))
+    cfg.initializer_range = 0.3
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    texts = ["2+2=", "Tell me a long story about a cat and a dog.", "Write a haiku."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True,
+                                       return_dict=False) for t in texts]
+    both = batched_generate(model, prompts, 10, tok.pad_token_id)
+    for i, p in enumerate(prompts):
+        assert torch.equal(both.tokens[i], batched_generate(model, [p], 10, tok.pad_token_id).tokens[0]), i
