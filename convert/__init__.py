@@ -26,7 +26,14 @@ line is scripts/export.py:
 from convert.api import build_export, export_head, import_folder
 from convert.common import causal_lm_architecture, rope_fields, verifier_id
 from convert.family import FamilyExports, Layout, VllmServing
-from convert.folders import check_out, check_replaceable, read_folder, validate_folder, write_folder
+from convert.folders import (
+    check_out,
+    check_replaceable,
+    read_folder,
+    validate_folder,
+    write_folder,
+    write_head_folder,
+)
 from convert.registry import (
     EXPORT_FORMATS,
     FORMAT_FAMILIES,
@@ -52,5 +59,5 @@ __all__ = [
     "FamilyExports", "Layout", "VllmServing", "build_export", "causal_lm_architecture", "check_config",
     "check_out", "check_replaceable", "eval_expr", "expected_weights", "export_head", "import_folder",
     "layouts_of", "load_spec", "read_folder", "resolve_symbols", "rope_fields", "served_by_vllm", "serving_note", "validate",
-    "validate_folder", "verifier_id", "write_folder",
+    "validate_folder", "verifier_id", "write_folder", "write_head_folder",
 ]

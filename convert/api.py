@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from convert.common import cast_floats, float_dtype_name, verifier_id
-from convert.folders import check_out, read_folder, validate_folder, write_folder
+from convert.folders import check_out, read_folder, write_folder, write_head_folder
 from convert.registry import EXPORT_FORMATS, FORMAT_FAMILIES, IMPORT_FORMATS, LAYOUTS
 from convert.spec import FLOAT_DTYPES, ExportError, check_config, load_spec, validate
 from heads.base import (
@@ -26,7 +26,6 @@ from heads.base import (
     TargetIO,
     family_module,
     load_head,
-    save_head,
 )
 
 
@@ -60,9 +59,7 @@ def _export_native(head_dir: str | Path, out: Path, target: TargetIO, dtype: str
     if dtype is not None:
         cast_floats({}, dtype)  # refuses an unknown dtype name
         head = head.to(FLOAT_DTYPES[dtype])  # Module.to(dtype) leaves the int/bool buffers alone
-    save_head(out, head, cfg, target, extra=meta.get("extra", {}))
-    validate_folder(out, "native", target)
-    return out
+    return write_head_folder(out, head, cfg, target, meta.get("extra", {}), force, (head_dir,))
 
 
 def export_head(

@@ -1,8 +1,12 @@
 """Folder I/O for every layout: read and check a folder, refuse to overwrite results, write atomically.
 
 A write builds nothing on disk until the in-memory export passes its spec, then writes a fresh temporary
-folder next to `out`, checks the files read back (what engines will read), and renames it into place.
-`--force` never replaces a run folder, a head folder, a feature store or the command's own input.
+folder next to `out`, checks the files read back (what engines will read), and swaps it into place
+(data.files.replace_folder): a kill at any moment leaves the previous export or the new one, never a mix,
+and the next run deletes the temporary folders a killed one left. Every export holds the marker
+data.files.MARKER (stage "export"). `--force` never replaces a run folder, a head folder, a feature store
+or the command's own input; a native export (a head folder) is replaced when its marker says it is one.
+A symlinked `out` is refused.
 Library only; scripts/export.py is the command line.
 """
 
@@ -17,7 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from convert.spec import ExportError, check_config, load_spec, validate
-from heads.base import TargetIO, check_finite, load_head, read_head_config
+from data.cli import write_atomic
+from data.files import MARKER, read_marker, replace_folder
+from heads.base import HeadConfig, TargetIO, check_finite, load_head, read_head_config, save_head
 
 
 def read_folder(folder: str | Path, fmt: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -57,7 +63,10 @@ def validate_folder(folder: str | Path, fmt: str, target: TargetIO | None = None
 
 
 def _protected_kind(folder: Path) -> str | None:
-    """What `folder` is when it must never be replaced: a run folder, a head folder or a feature store."""
+    """What `folder` is when it must never be replaced: a run folder, a head folder or a feature store
+    (an export's own folder, marked so, is none of them)."""
+    if read_marker(folder) == "export":
+        return None
     if (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file() or \
             (folder / "progress.json").is_file():
         return "a run folder"
@@ -96,10 +105,33 @@ def check_replaceable(out: str | Path, inputs: tuple[str | Path, ...] = ()) -> N
 def check_out(out: str | Path, force: bool, inputs: tuple[str | Path, ...] = ()) -> None:
     """Refuse a non-empty `out` unless `force`, and even then when check_replaceable refuses it."""
     out = Path(out)
+    if out.is_symlink():
+        raise ExportError(f"{out}: is a symlink (to {out.readlink()}); give the real folder as --out")
     if out.exists() and any(out.iterdir()):
         if not force:
             raise ExportError(f"{out}: exists and is not empty (pass force=True / --force to replace it)")
         check_replaceable(out, inputs)
+
+
+def _fresh_tmp(out: Path) -> Path:
+    """A new temporary folder beside `out`, after deleting those a killed export to `out` left (ours: the prefix)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{out.name}.tmp-export-"
+    for stale in out.parent.glob(prefix + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    write_atomic(tmp / MARKER, json.dumps({"stage": "export"}) + "\n")
+    return tmp
+
+
+def _commit(tmp: Path, out: Path, fmt: str, target: TargetIO | None) -> Path:
+    """Check the files in `tmp` read back (what engines will read), then swap `tmp` into `out`'s place."""
+    try:
+        validate_folder(tmp, fmt, target)
+    except BaseException:
+        shutil.rmtree(tmp)
+        raise
+    return replace_folder(tmp, out)
 
 
 def write_folder(out: str | Path, fmt: str, config: dict, weights: dict[str, torch.Tensor], force: bool = False,
@@ -111,16 +143,25 @@ def write_folder(out: str | Path, fmt: str, config: dict, weights: dict[str, tor
     check_out(out, force, inputs)
     spec = load_spec(fmt)
     validate(fmt, config, weights, target, where=f"{fmt} export to {out}")  # nothing is written if this fails
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-export-", dir=out.parent))  # ours alone
+    tmp = _fresh_tmp(out)
     try:
         save_file(weights, str(tmp / spec["files"]["weights"]), metadata={"format": "pt"})
-        (tmp / spec["files"]["config"]).write_text(json.dumps(config, indent=2) + "\n")
-        validate_folder(tmp, fmt, target)  # what engines will read: the files, not our in-memory copy
-    except Exception:
+        write_atomic(tmp / spec["files"]["config"], json.dumps(config, indent=2) + "\n")
+    except BaseException:
         shutil.rmtree(tmp)
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
+    return _commit(tmp, out, fmt, target)
+
+
+def write_head_folder(out: str | Path, head: torch.nn.Module, cfg: HeadConfig, target: TargetIO, extra: dict,
+                      force: bool = False, inputs: tuple[str | Path, ...] = ()) -> Path:
+    """A native head folder at `out` (save_head), built and checked beside it and swapped in like write_folder."""
+    out = Path(out)
+    check_out(out, force, inputs)
+    tmp = _fresh_tmp(out)
+    try:
+        save_head(tmp, head, cfg, target, extra=extra)
+    except BaseException:
+        shutil.rmtree(tmp)
+        raise
+    return _commit(tmp, out, "native", target)

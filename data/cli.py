@@ -11,7 +11,10 @@ code 2. Anything else is a bug and keeps its traceback. A user error is an insta
 project's own error classes in data/, train/, eval/ and scripts/ derive from it), of heads.base.HeadError
 (heads/ sits below data/ and cannot derive from this module), an OSError a user causes (missing file,
 permission, full disk, read-only file system), or running out of (GPU) memory, which names the settings
-that size the batches. Messages spanning lines are joined into one.
+that size the batches. Messages spanning lines are joined into one. Ctrl-C is one line too (exit 130).
+
+`number_arg(flag, int, minimum)` / `names_arg(flag)` are argparse `type`s that check a range (or a
+non-empty comma-separated list) at parse time and raise UserError: one line, exit 2, before any work.
 
 `write_atomic(path, text_or_bytes)` writes under a temp name in the same folder, fsyncs and renames, so a
 crash leaves either the old file or the new one, never half of one.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -77,6 +81,9 @@ def cli_main(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:  # Ctrl-C: the user knows; one line, no traceback (130 = 128 + SIGINT)
+            print("error: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
         except Exception as e:
             if not is_user_error(e):
                 raise
@@ -84,6 +91,37 @@ def cli_main(fn: F) -> F:
             raise SystemExit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def number_arg(flag: str, kind: type = int, minimum: float = 1, many: bool = False) -> Callable[[str], Any]:
+    """argparse `type` for `flag`: a finite `kind` >= minimum, or with `many` a non-empty comma-separated
+    list of them; anything else (0, -1, nan, an empty list) is a UserError naming the flag."""
+
+    def parse(text: str) -> Any:
+        items = [x for x in (x.strip() for x in (text.split(",") if many else [text])) if x]
+        try:
+            values = [kind(x) for x in items]
+        except ValueError:
+            values = []
+        if not values or any(not math.isfinite(v) or v < minimum for v in values):
+            noun = "integer" if kind is int else "number"
+            what = f"a comma-separated list of {noun}s" if many else f"an {noun}" if kind is int else f"a {noun}"
+            raise UserError(f"{flag}: expected {what} >= {minimum:g}, got '{text}'")
+        return values if many else values[0]
+
+    return parse
+
+
+def names_arg(flag: str) -> Callable[[str], list[str]]:
+    """argparse `type` for `flag`: a non-empty comma-separated list of names (UserError when empty)."""
+
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        if not names:
+            raise UserError(f"{flag}: expected a comma-separated list of names, got '{text}'")
+        return names
+
+    return parse
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> Path:

@@ -409,8 +409,29 @@ _UniqueKeyLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
+MAX_YAML_DEPTH = 32  # far deeper than any config; the composer recurses per level
+
+
+def _check_yaml_events(text: str) -> None:
+    """Refuse aliases and very deep nesting before anything is composed (yaml.YAMLError naming the line):
+    an alias bomb ("billion laughs") expands exponentially, a recursive alias or deep nesting exhausts
+    the recursion of the composer. A config never needs either. The parser itself does not recurse."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.YAMLError(f"line {line}: YAML aliases (*{event.anchor}) are not allowed in a config")
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise yaml.YAMLError(f"line {line}: nested more than {MAX_YAML_DEPTH} levels deep")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
 def _parse_yaml(text: str) -> tuple[Any, dict[Loc, int]]:
     """The YAML document and the 1-based line of every key and list item in it (by its pydantic loc)."""
+    _check_yaml_events(text)
     loader = _UniqueKeyLoader(text)
     try:
         node = loader.get_single_node()
@@ -474,6 +495,7 @@ def _apply_overrides(tree: dict, overrides: list[str]) -> list[Loc]:
             raise ConfigError(f"command line: override '{item}' must look like --key.sub=value")
         key, raw = flag.split("=", 1)
         try:
+            _check_yaml_events(raw)  # an alias or deep nesting stays the plain string it was typed as
             value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw != "" else None
         except yaml.YAMLError:
             value = raw
@@ -511,11 +533,16 @@ def load_config(
     return cfg
 
 
+def config_text(cfg: Any) -> str:
+    """The resolved config as config.yaml holds it."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def save_config(cfg: Any, out_dir: str | Path) -> Path:
     """Write the resolved config to OUT/config.yaml (what the run really used)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return write_atomic(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return write_atomic(out / "config.yaml", config_text(cfg))
 
 
 def parse_args(

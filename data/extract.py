@@ -41,6 +41,7 @@ from tqdm import tqdm
 from data.cli import cli_main
 from data.config import ConfigError, RunConfig, check_layer_ids, parse_args
 from data.features import forward_features, greedy_ids
+from data.files import FolderLock
 from data.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -190,9 +191,21 @@ def _done_shards(split_dir: Path, part: dict, planned: list[list[list[int]]], ra
 
 def extract_split(model: nn.Module, dataset: datasets.Dataset, split_dir: Path, header: dict, rank: int = 0,
                   pad_id: int = 0, show_progress: bool = True) -> dict:
-    """Write (or finish) this rank's shards of one split and its part file; returns the part dict."""
+    """Write (or finish) this rank's shards of one split and its part file; returns the part dict.
+
+    Locked per shard set (rank of world): a second extraction of the same shards is refused with one line
+    (it would delete the first one's in-flight `.tmp`); other ranks and jobs of the array run beside it."""
     split_dir.mkdir(parents=True, exist_ok=True)
     _refuse_foreign(split_dir, header)
+    world = int(header["world"])
+    with FolderLock(split_dir, f"an extraction of shard set r{rank:04d}of{world:04d}",
+                    name=f".lock-r{rank:04d}of{world:04d}"):
+        return _extract_locked(model, dataset, split_dir, header, rank, pad_id, show_progress)
+
+
+def _extract_locked(model: nn.Module, dataset: datasets.Dataset, split_dir: Path, header: dict, rank: int,
+                    pad_id: int, show_progress: bool) -> dict:
+    """extract_split's work, under its lock."""
     world, layer_ids = int(header["world"]), list(header["layer_ids"])
     lengths = list(dataset["length"]) if len(dataset) else []
     planned = plan_shards(lengths, rank, world, int(header["batch_tokens"]), int(header["shard_tokens"]))

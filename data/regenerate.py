@@ -83,20 +83,25 @@ def make_jobs(records: list[Record], system_prompt: str | None) -> tuple[list[Jo
     """Jobs from read records and the ids of records without any user turn (reported, not answered).
 
     Existing assistant turns are dropped (they are what we regenerate). A record's own system message is
-    kept unless `system_prompt` replaces it. Duplicate ids get a `#2`, `#3`, ... suffix so that resuming
-    by id stays exact.
+    kept unless `system_prompt` replaces it. Duplicate ids get a `#2`, `#3`, ... suffix (the next one no
+    other record uses: a record may itself be called `a#2`) so that every id is unique and resuming by id
+    stays exact.
     """
     jobs: list[Job] = []
     no_user: list[str] = []
     seen: dict[str, int] = {}
+    used: set[str] = set()
     for rec in records:
         users = [m["content"] for m in rec.messages if m["role"] == "user"]
         if not users:
             no_user.append(rec.id)
             continue
         own_system = next((m["content"] for m in rec.messages if m["role"] == "system"), None)
-        seen[rec.id] = seen.get(rec.id, 0) + 1
-        rid = rec.id if seen[rec.id] == 1 else f"{rec.id}#{seen[rec.id]}"
+        rid = rec.id
+        while rid in used:
+            seen[rec.id] = seen.get(rec.id, 1) + 1
+            rid = f"{rec.id}#{seen[rec.id]}"
+        used.add(rid)
         jobs.append(Job(rid, system_prompt if system_prompt is not None else own_system, users))
     return jobs, no_user
 
@@ -247,16 +252,12 @@ def answer_jobs(model: Any, tokenizer: Any, jobs: list[Job], rcfg: RegenerateCon
 
 
 def read_done(path: Path) -> list[str]:
-    """Ids already written to `path`, in order; a trailing partial line (a kill mid-write) is cut off."""
+    """Ids already written to `path`, in order; a trailing partial line (a kill mid-write) is cut off, but
+    only once every complete line is a regenerated record (a file that is not one is refused unchanged)."""
     if not path.is_file():
         return []
     data = path.read_bytes()
     cut = data.rfind(b"\n") + 1
-    if cut < len(data):
-        with path.open("r+b") as f:
-            f.truncate(cut)
-        print(f"regenerate: {path}: dropped a partial last line ({len(data) - cut} bytes) from an interrupted run",
-              file=sys.stderr)
     ids = []
     for lineno, line in enumerate(data[:cut].splitlines(), 1):
         try:
@@ -264,6 +265,11 @@ def read_done(path: Path) -> list[str]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise DataError(f"{path}:{lineno}: not a regenerated record ({type(e).__name__}: {e}); "
                             "delete the file to start over") from None
+    if cut < len(data):
+        with path.open("r+b") as f:
+            f.truncate(cut)
+        print(f"regenerate: {path}: dropped a partial last line ({len(data) - cut} bytes) from an interrupted run",
+              file=sys.stderr)
     return ids
 
 
@@ -360,12 +366,12 @@ def regenerate(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> dict
     if model is None or tokenizer is None:
         model, tokenizer, generate = load_engine(cfg)
     out_dir = Path(cfg.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir)
     out_path = output_path(cfg, rcfg.shard_index if sharded else None)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done_ids = read_done(out_path)
+    # A file without its .meta.json is not ours: refused before anything (config.yaml included) is written.
     check_settings(out_path.with_suffix(".meta.json"), out_path, _settings(cfg), out_path.exists())
+    done_ids = read_done(out_path)
+    save_config(cfg, out_dir)
     done = set(done_ids)
     pending = sum(j.id not in done for j in jobs)
 

@@ -29,12 +29,14 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 import torch
 
-from data.cli import cli_main
+from data.cli import cli_main, write_atomic
 from data.config import RunConfig, parse_args
 from data.readers import DataError, read_records
 from data.target import load_tokenizer
+from heads.base import sha256_file
 
 
 def render_chat(tokenizer: Any, messages: list[dict], template: str | None = None, gen: bool = False) -> str:
@@ -126,9 +128,39 @@ def tokenize_records(
     kwargs: dict[str, Any] = {}
     if cache_file is not None:
         Path(cache_file).parent.mkdir(parents=True, exist_ok=True)
+        check_cache(Path(cache_file))
         kwargs = dict(cache_file_name=str(cache_file), load_from_cache_file=True)
     ds = raw.map(fn, batched=True, batch_size=64, remove_columns=["messages"], desc="tokenize", **kwargs)
+    if cache_file is not None and not _checksum_path(Path(cache_file)).is_file():
+        write_atomic(_checksum_path(Path(cache_file)), sha256_file(cache_file) + "\n")  # freshly written
+    check_token_range(ds, len(tokenizer), str(cache_file or "tokenized data"))
     return ds.filter(lambda b: [sum(m) > 0 for m in b["loss_mask"]], batched=True, desc="drop empty")
+
+
+def _checksum_path(cache_file: Path) -> Path:
+    return cache_file.with_name(cache_file.name + ".sha256")
+
+
+def check_cache(cache_file: Path) -> None:
+    """Refuse a cached tokenized file whose bytes differ from the sha256 written beside it when it was made
+    (altered tokens would train silently); one without a checksum (older runs) is deleted, so it is rebuilt."""
+    if not cache_file.is_file():
+        _checksum_path(cache_file).unlink(missing_ok=True)
+        return
+    recorded = _checksum_path(cache_file)
+    if not recorded.is_file():
+        cache_file.unlink()  # unverifiable: tokenizing again is cheap
+        return
+    if sha256_file(cache_file) != recorded.read_text().strip():
+        raise DataError(f"{cache_file}: the tokenized cache does not match its checksum ({recorded.name}): altered "
+                        f"or damaged; delete both files to tokenize again")
+
+
+def check_token_range(ds: datasets.Dataset, vocab: int, where: str) -> None:
+    """DataError when a token id lies outside [0, vocab) (the embedding lookup would fail deep in a forward)."""
+    ids = ds.data.column("input_ids").combine_chunks().flatten()
+    if len(ids) and (pc.min(ids).as_py() < 0 or pc.max(ids).as_py() >= vocab):
+        raise DataError(f"{where}: token ids outside the tokenizer's vocabulary [0, {vocab})")
 
 
 def build_datasets(cfg: RunConfig, tokenizer: Any) -> tuple[datasets.Dataset, datasets.Dataset]:

@@ -2,7 +2,7 @@
 
 `assemble_report(...)` puts eval.run's measured sections together with what ran and the definitions.
 
-Files written into the run folder by `write_report(report, out_dir)`:
+Files written into the run folder by `write_report(report, out_dir)` (report.json last, see there):
   report.json                  everything eval.run measured (benchmarks.<name>.tau / .speedup /
                                .acceptance_per_position, speedup_model.best_k / .predicted / .measured,
                                batch_sweep, costs, ...)
@@ -19,6 +19,7 @@ Files written into the run folder by `write_report(report, out_dir)`:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import platform
@@ -34,6 +35,8 @@ import torch  # noqa: E402
 
 from data.cli import UserError, cli_main, write_atomic  # noqa: E402
 from data.config import to_dict  # noqa: E402
+from data.files import claim_folder  # noqa: E402
+from heads.base import sha256_file  # noqa: E402
 
 if TYPE_CHECKING:
     from data.config import EvalConfig, TargetConfig
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
     from eval.turns import Subject
 
 PLOTS = ("acceptance_per_position.png", "tau_by_category.png", "speedup_vs_k.png", "throughput_vs_batch.png")
+# Everything eval writes into its folder: it claims an unmarked folder only when it holds nothing else.
+EVAL_OUTPUTS = ("config.yaml", "report.json", "report.md", *PLOTS)
 
 
 def _f(x: Any, digits: int = 2, suffix: str = "") -> str:
@@ -70,6 +75,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Target `{report['target']}`, drafter **{report['drafter']}**"
         + (f" (head `{report['head']}`)" if report.get("head") else "")
+        + (f" sha256 `{report['head_sha256'][:16]}`" if report.get("head_sha256") else "")
         + f", k = {report['k']} ({report['k_source']}), tree `{report.get('tree', 'chain')}`, "
         f"max {report['max_new_tokens']} new tokens, device {report['machine']['device']}.",
         "",
@@ -240,16 +246,53 @@ def plot_throughput(report: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
-def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """report.json, report.md and the four plots into out_dir; returns the paths written."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "report.json", out / "report.md"]
-    write_atomic(paths[0], json.dumps(report, indent=2, default=str))
-    write_atomic(paths[1], markdown(report))
+def claim_eval_folder(out_dir: str | Path) -> Path:
+    """Make out_dir an eval folder (data.files.claim_folder): a training run, an export or a user's files
+    there are refused (one line), never overwritten."""
+    return claim_folder(out_dir, "eval", EVAL_OUTPUTS)
+
+
+def write_report(report: dict[str, Any], out_dir: str | Path, config_yaml: str | None = None) -> list[Path]:
+    """config.yaml (when given), report.md, the four plots, then report.json into out_dir; returns the paths.
+
+    report.json is the commit record, written last and removed first: a run killed while writing leaves
+    the previous complete set (killed before) or no report.json (killed during), never a report.json beside
+    another run's report.md or config.yaml. It records the sha256 of both (`files`), which load_report checks."""
+    out = claim_eval_folder(out_dir)
+    (out / "report.json").unlink(missing_ok=True)
+    report = {**report, "files": {}}
+    if config_yaml is not None:
+        write_atomic(out / "config.yaml", config_yaml)
+        report["config_sha256"] = report["files"]["config.yaml"] = _sha256(config_yaml)
+    md = markdown(report)
+    paths = [write_atomic(out / "report.md", md)]
+    report["files"]["report.md"] = _sha256(md)
     for fn, name in zip((plot_acceptance, plot_tau_by_category, plot_speedup_vs_k, plot_throughput), PLOTS):
         paths.append(fn(report, out / name))
-    return paths
+    return [write_atomic(out / "report.json", json.dumps(report, indent=2, default=str)), *paths]
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_report(folder: str | Path) -> dict[str, Any]:
+    """report.json of an eval folder, refused (UserError) when a file it records was changed or replaced
+    since (an interrupted eval, an edit): the report and its Markdown always describe one run."""
+    path = Path(folder) / "report.json"
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing (no eval finished in {folder}; run eval.run --out {folder})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read the report ({e})") from None
+    if not isinstance(report, dict):
+        raise UserError(f"{path}: not an eval report")
+    for name, want in (report.get("files") or {}).items():
+        f = Path(folder) / name
+        if not f.is_file() or hashlib.sha256(f.read_bytes()).hexdigest() != want:
+            raise UserError(f"{f}: does not match {path} (changed, or left by an interrupted eval): rerun the eval")
+    return report
 
 
 TAU_DEFINITION = "tokens per target forward pass, counting the corrected or bonus token (prefill excluded)"
@@ -262,6 +305,7 @@ def assemble_report(target_cfg: TargetConfig, head_dir: str | Path | None, subje
     return {
         "target": target_cfg.name_or_path,
         "head": None if head_dir is None else str(head_dir),
+        "head_sha256": None if head_dir is None else sha256_file(Path(head_dir) / "model.safetensors"),
         "family": None if subject.head_cfg is None else subject.head_cfg.family,
         "drafter": subject.main,
         "k": costs.k,
@@ -284,7 +328,6 @@ def assemble_report(target_cfg: TargetConfig, head_dir: str | Path | None, subje
                     "torch": torch.__version__},
         "eval_config": to_dict(cfg_eval),
     }
-
 
 
 @cli_main

@@ -55,15 +55,15 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from data.cli import UserError, cli_main
-from data.config import EvalConfig, RunConfig, TargetConfig, parse_args, save_config, to_dict
+from data.cli import UserError, cli_main, names_arg, number_arg
+from data.config import EvalConfig, RunConfig, TargetConfig, config_text, parse_args, to_dict
 from data.regenerate import eos_ids, render_rows
 from data.target import load_target
 from eval.batch import sweep
 from eval.bench import Question, bench_name, load_questions
 from eval.calibrate import Costs, measure_costs
 from eval.drafters import NgramDrafter
-from eval.report import assemble_report, markdown, write_report
+from eval.report import assemble_report, claim_eval_folder, markdown, write_report
 from eval.tally import BASELINES, benchmarks_section, speedup_section
 from eval.turns import Served, Subject, Target, Turns
 from eval.vllm_engine import ServeError, add_served, check_servable  # imports vllm only when serving
@@ -176,6 +176,7 @@ def evaluate(
     loaded: tuple[nn.Module, Any, Any] | None = None,
     log: Callable[[str], None] = print,
     engine: str = "builtin",
+    config_yaml: str | None = None,
 ) -> dict[str, Any]:
     """Run the whole eval and write the report files into out_dir; returns the report dict (report.json).
 
@@ -183,7 +184,8 @@ def evaluate(
     target_cfg: the target to load (default: the one named in the head's config.json; for drafter
     "ngram" without a head it is required). loaded: (model, tokenizer, TargetIO) already in memory, used
     instead of loading (the head is still checked against it). engine "vllm": also serve the head in vLLM
-    (eval/vllm_engine.py). Raises HeadMismatchError for a head made
+    (eval/vllm_engine.py). config_yaml: written as config.yaml with the report (eval/report.py's
+    write_report says in which order). Raises HeadMismatchError for a head made
     for another target, EvalError / DataError / TargetLoadError for bad input.
 
     The stages, in order (each a function here, or in the module the module docstring names for its job):
@@ -192,6 +194,7 @@ def evaluate(
     (--engine vllm), fit the speedup model, sweep batch sizes, assemble and write the report.
     """
     _check_request(cfg_eval, drafter, head_dir, baselines)
+    claim_eval_folder(out_dir)
     head_meta, target_cfg = _resolve_target(head_dir, target_cfg)
     questions = {bench_name(b): load_questions(b, cfg_eval.max_questions) for b in cfg_eval.bench}
     _check_engine(engine, head_meta, drafter, cfg_eval.tree)
@@ -211,25 +214,11 @@ def evaluate(
     batch = _batch_sweep(target, questions, cfg_eval.batch_sizes, costs.k, sweep_new_tokens, log)
     report = assemble_report(target_cfg, head_dir, subject, costs, cfg_eval, target.device,
                              benchmarks=benchmarks, speedup=speedup, batch=batch)
-    write_report(report, out_dir)
+    write_report(report, out_dir, config_yaml)
     return report
 
 
 # ----------------------------------------------------------------------------------------------- CLI
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-
-
 def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", help="head folder (config.json + model.safetensors)")
     p.add_argument("--drafter", choices=DRAFTERS, help="what to evaluate (default: head if --head, else ngram); "
@@ -237,14 +226,19 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, help="adaptive: per-pass draft length from the request's acceptance "
                    "(default); fixed: k every pass")
     p.add_argument("--target", help="target name_or_path (default: the head's own target, or the config's)")
-    p.add_argument("--bench", help="comma-separated: mt_bench, humaneval, gsm8k or question files")
-    p.add_argument("--temperature", type=_floats, help="comma-separated temperatures, e.g. 0,1")
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--max-questions", type=int)
-    p.add_argument("--k", type=int, help="draft length (default: chosen from measured costs)")
-    p.add_argument("--batch-sizes", type=_ints, help="batch sizes of the sweep, e.g. 1,2,4,8,16")
-    p.add_argument("--sweep-new-tokens", type=int, default=32, help="tokens per row in the batch sweep")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default without a GPU: 1, see the module doc; "
+    # Every range is checked here, at parse time (data.cli.number_arg: one line, exit 2, before any work).
+    p.add_argument("--bench", type=names_arg("--bench"), help="comma-separated: mt_bench, humaneval, gsm8k or question files")
+    p.add_argument("--temperature", type=number_arg("--temperature", float, 0, many=True),
+                   help="comma-separated temperatures, e.g. 0,1")
+    p.add_argument("--max-new-tokens", type=number_arg("--max-new-tokens"))
+    p.add_argument("--max-questions", type=number_arg("--max-questions"))
+    p.add_argument("--k", type=number_arg("--k"), help="draft length (default: chosen from measured costs)")
+    p.add_argument("--batch-sizes", type=number_arg("--batch-sizes", many=True),
+                   help="batch sizes of the sweep, e.g. 1,2,4,8,16")
+    p.add_argument("--sweep-new-tokens", type=number_arg("--sweep-new-tokens"), default=32,
+                   help="tokens per row in the batch sweep")
+    p.add_argument("--threads", type=number_arg("--threads", minimum=0),
+                   help="torch CPU threads (default without a GPU: 1, see the module doc; "
                    "0 = torch's own choice)")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
                    help="vllm: also serve the exported head in vLLM and compare (the vllm extra; EAGLE-3)")
@@ -258,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, args = parse_args("Evaluate a drafter: tau, acceptance, speedup, batch sweep, reports.", argv, _flags)
     ev: EvalConfig = cfg.eval
     if args.bench:
-        ev.bench = [b.strip() for b in args.bench.split(",") if b.strip()]
+        ev.bench = args.bench
     for flag, field_name in (("temperature", "temperature"), ("max_new_tokens", "max_new_tokens"),
                              ("max_questions", "max_questions"), ("k", "num_draft_tokens"),
                              ("batch_sizes", "batch_sizes"), ("policy", "policy")):
@@ -280,10 +274,11 @@ def main(argv: list[str] | None = None) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
     hf_logging.set_verbosity_error()  # generate()'s notes on generation flags are noise here
-    save_config(cfg, out)
+    claim_eval_folder(out)  # before any work: a folder eval must not write into is refused at once
     report = evaluate(args.head, ev, out, target_cfg, drafter=drafter,
                       baselines=[b.strip() for b in args.baselines.split(",") if b.strip()],
-                      sweep_new_tokens=args.sweep_new_tokens, seed=cfg.seed, engine=args.engine)
+                      sweep_new_tokens=args.sweep_new_tokens, seed=cfg.seed, engine=args.engine,
+                      config_yaml=config_text(cfg))
     print(markdown(report))
     print(f"wrote {out / 'report.json'}, {out / 'report.md'} and plots")
 

@@ -44,6 +44,7 @@ __all__ = [
     "target_record",
     # defined here
     "FAMILIES", "FORMAT_VERSION", "HeadConfig", "HeadError", "HeadMismatchError", "check_eval_tree", "check_finite",
+    "check_vocab_map",
     "check_target", "family_module", "load_head", "read_head_config", "save_head", "sha256_file",
 ]
 
@@ -111,6 +112,20 @@ def check_finite(state: dict[str, torch.Tensor], where: str) -> None:
             n = int((~torch.isfinite(v)).sum())
             raise HeadError(f"{where}: weight '{k}' holds {n} non-finite values (NaN/inf): a diverged run or a "
                             f"damaged file; nothing is trusted from it")
+
+
+def check_vocab_map(state: dict[str, torch.Tensor], vocab: int, where: str) -> None:
+    """HeadError when a draft vocabulary map (`d2t` offsets: target id = draft id + d2t[draft id]; `t2d`
+    marks those target ids) points outside the target's vocabulary or the two disagree: drafting would
+    index out of range or propose tokens the head never learnt."""
+    d2t, t2d = state.get("d2t"), state.get("t2d")
+    if d2t is None:
+        return
+    ids = torch.arange(d2t.numel()) + d2t.long()
+    if d2t.is_floating_point() or bool((d2t < 0).any()) or bool((ids >= vocab).any()):
+        raise HeadError(f"{where}: 'd2t' maps draft ids to target ids outside [0, {vocab}) or holds negative offsets")
+    if t2d is not None and (t2d.numel() != vocab or int(t2d.bool().sum()) != ids.numel() or not bool(t2d.bool()[ids].all())):
+        raise HeadError(f"{where}: 't2d' does not mark exactly the {ids.numel()} target ids 'd2t' maps to")
 
 
 def _fsync_replace(tmp: Path, final: Path) -> None:
@@ -219,13 +234,16 @@ def load_head(path: str | Path, target: TargetIO, strict_fingerprint: bool = Tru
     if not weights.is_file():
         raise HeadError(f"{weights}: missing")
     want_sha = meta.get("files", {}).get("model.safetensors") if isinstance(meta.get("files"), dict) else None
-    if want_sha is not None and sha256_file(weights) != want_sha:
+    if not isinstance(want_sha, str):  # without it nothing vouches for the weights (and an export would re-certify them)
+        raise HeadError(f"{folder / 'config.json'}: key 'files' (the sha256 of model.safetensors) is missing")
+    if sha256_file(weights) != want_sha:
         raise HeadError(f"{weights}: corrupted or changed (sha256 differs from {folder / 'config.json'})")
     try:
         state = load_file(str(weights))
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise HeadError(f"{weights}: unreadable or truncated ({' '.join(str(e).split())})") from None
     check_finite(state, str(weights))
+    check_vocab_map(state, target.vocab_size, str(weights))
     try:
         head = mod.build(cfg, target)
     except ValueError as e:

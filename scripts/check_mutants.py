@@ -160,6 +160,48 @@ MUTANTS: list[Mutant] = [
            "labels, m = shift_targets(ids, valid, 1 + k)",
            "labels, m = shift_targets(ids, valid, k)",
            ("tests/test_alignment.py",)),
+    # --- issue 29: the classes of planted bugs that passed every test
+    Mutant("spec_pass_drafts_past_max_new_tokens", "eval/decoder.py",
+           "budget = max_new_tokens - len(out) - 1",
+           "budget = max_new_tokens - len(out)",
+           ("tests/test_faults.py", "-k", "max_new_tokens_budget"), quick=True),
+    Mutant("accepted_credit_by_path_position", "eval/decoder.py",
+           'src = tree.sources[a] if tree.sources is not None else "draft"',
+           'src = tree.sources[accepted.index(a)] if tree.sources is not None else "draft"',
+           ("tests/test_faults.py", "-k", "credit")),
+    Mutant("policy_credit_by_path_position", "eval/policy.py",
+           "while got < len(accepted) and s in tags[accepted[got]]:",
+           "while got < len(accepted) and s in tags[got]:",
+           ("tests/test_faults.py", "-k", "credit"), quick=True),
+    Mutant("hybrid_budgets_to_the_wrong_proposer", "eval/drafters.py",
+           'kh, kn = min(k, budgets.get("head", k)), min(k, budgets.get("ngram", k))',
+           'kh, kn = min(k, budgets.get("ngram", k)), min(k, budgets.get("head", k))',
+           ("tests/test_faults.py", "-k", "budgets")),
+    Mutant("ttt_steps_weighted_in_reverse", "heads/eagle/losses.py",
+           "total = total + head.ttt_decay**s * step_loss",
+           "total = total + head.ttt_decay**(head.ttt_length - 1 - s) * step_loss",
+           ("tests/test_faults.py", "-k", "ttt_weighting"), quick=True),
+    Mutant("temperature_after_top_p", "data/sampling.py",
+           "    if temperature != 1.0:\n        procs.append(TemperatureLogitsWarper(temperature))\n"
+           "    if top_k > 0:\n        procs.append(TopKLogitsWarper(top_k))\n"
+           "    if top_p < 1.0:\n        procs.append(TopPLogitsWarper(top_p))\n",
+           "    if top_k > 0:\n        procs.append(TopKLogitsWarper(top_k))\n"
+           "    if top_p < 1.0:\n        procs.append(TopPLogitsWarper(top_p))\n"
+           "    if temperature != 1.0:\n        procs.append(TemperatureLogitsWarper(temperature))\n",
+           ("tests/test_faults.py", "-k", "warper_order"), quick=True),
+    Mutant("row_sampler_keyed_by_batch_slot", "data/regenerate.py",
+           "generator=self.generators[r]) for j, r in enumerate(rows)",
+           "generator=self.generators[j]) for j, r in enumerate(rows)",
+           ("tests/test_regenerate.py", "-k", "finish_early or own_generator")),
+    # (a constant shift of a row's positions is invisible under RoPE: these give rows another row's positions)
+    Mutant("regenerate_rows_continue_row_0s_positions", "data/regenerate.py",
+           "            pos = pos[:, -1:] + 1",
+           "            pos = pos[:1, -1:].expand(len(live), 1) + 1",
+           ("tests/test_regenerate.py", "-k", "batched_greedy")),
+    Mutant("batch_rows_take_row_0s_positions", "eval/batch.py",
+           "pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -n:]",
+           "pos = (mask[:1].cumsum(-1) - 1).clamp(min=0).expand_as(mask)[:, -n:]",
+           ("tests/test_faults.py", "-k", "per_row_positions")),
 ]
 
 

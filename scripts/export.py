@@ -16,11 +16,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from convert import EXPORT_FORMATS, FLOAT_DTYPES, IMPORT_FORMATS, check_out, export_head, import_folder
+from convert import (
+    EXPORT_FORMATS,
+    FLOAT_DTYPES,
+    IMPORT_FORMATS,
+    check_out,
+    export_head,
+    import_folder,
+    write_head_folder,
+)
 from data.cli import cli_main
 from data.config import TargetConfig
 from data.target import load_target, resolve_device
-from heads.base import TargetIO, read_head_config, save_head
+from heads.base import TargetIO, read_head_config
 
 
 def load_target_io(name: str, device: str = "cpu") -> TargetIO:
@@ -64,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exported {args.head} -> {out} ({args.to}), checked against convert/formats/{args.to}.json")
     else:
         out_dir = Path(args.out)
-        check_out(out_dir, args.force, (args.src,))
+        check_out(out_dir, args.force, (args.src,))  # before the target loads
         target = load_target_io(args.target, args.device)
         head, cfg, provenance = import_folder(args.src, args.import_fmt, target)
-        save_head(out_dir, head, cfg, target, extra=provenance)
+        write_head_folder(out_dir, head, cfg, target, provenance, args.force, (args.src,))
         print(f"imported {args.src} ({args.import_fmt}) -> {out_dir} (native {cfg.family} head)")
     return 0
 

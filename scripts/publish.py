@@ -10,7 +10,12 @@ table, how to serve with vLLM and SGLang, license). Every export is checked agai
 
 The eval report is looked up as `--report PATH` (a report.json / report.md file or a folder holding them),
 else next to the head (`HEAD/`, `HEAD/eval/`, `HEAD/../eval/`). Without one the script refuses unless
-`--force`. The token comes from HF_TOKEN or huggingface_hub's login and is never printed.
+`--force`. The report must be eval.run's report.json of THIS head (its `head_sha256` is the sha256 of the
+head's model.safetensors, and the files it records beside it are unchanged): a report of another head, or
+a report.md alone (nothing to check it by), is refused even with --force. The card carries the head's
+sha256 and the eval config's. `--repo-id` is checked against the Hub's rules
+(huggingface_hub.utils.validate_repo_id) before anything runs. Only a failing Hub call is reported as
+"upload failed"; the token comes from HF_TOKEN or huggingface_hub's login and is never printed.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from typing import Any
 from convert import export_head, layouts_of, serving_note, verifier_id
 from data.cli import UserError, cli_main, is_user_error, one_line
 from data.config import TargetConfig
+from data.files import MARKER
 from data.target import load_target
-from heads.base import read_head_config
+from eval.report import load_report
+from heads.base import read_head_config, sha256_file
 
 
 class PublishError(UserError, RuntimeError):
@@ -49,6 +56,21 @@ def find_report(head: Path, report: str | None) -> tuple[Path | None, Path | Non
     if report:
         raise PublishError(f"--report {report}: no report.json or report.md there")
     return None, None
+
+
+def check_report(head: Path, js: Path | None, md: Path | None) -> dict[str, str]:
+    """Refuse (PublishError) a report that is not eval.run's of this head; returns what the card records
+    of it (the head's and the eval config's sha256)."""
+    if js is None:
+        raise PublishError(f"{md}: a report.md without its report.json cannot be checked against the head; "
+                           f"pass the eval folder (eval.run writes both)")
+    report = load_report(js.parent) if js.name == "report.json" else json.loads(js.read_text())
+    have = sha256_file(head / "model.safetensors")
+    recorded = report.get("head_sha256")
+    if recorded != have:
+        what = f"measured another head (sha256 {str(recorded)[:16]}...)" if recorded else "records no head sha256"
+        raise PublishError(f"{js}: {what}, not {head} (sha256 {have[:16]}...); rerun eval.run --head {head}")
+    return {"head_sha256": have, "config_sha256": str(report.get("config_sha256") or "-")}
 
 
 def _rows(obj: Any) -> list[dict] | None:
@@ -114,15 +136,19 @@ def serving_section(family: str, repo_id: str, target_hub: str, k: int = 5) -> s
     return serving_note(family, repo_id, target_hub, k)
 
 
-def model_card(meta: dict, repo_id: str, table: str | None, files: list[str], license_id: str, k: int = 5) -> str:
-    """README.md for the Hub: YAML front matter, then target, data, config, eval table, serving, license."""
+def model_card(meta: dict, repo_id: str, table: str | None, files: list[str], license_id: str, k: int = 5,
+               ids: dict[str, str] | None = None) -> str:
+    """README.md for the Hub: YAML front matter, then target, data, config, eval table, serving, license.
+    `ids`: the head's and the eval config's sha256 (check_report), named beside the table."""
     family = meta["family"]
     t = meta["target"]
     hub = verifier_id(t.get("name_or_path", ""))
     extra = meta.get("extra", {})
     front = ["---", f"license: {license_id}", f"base_model: {hub}", "tags:", "- speculative-decoding",
              f"- {family}", "- draftheads", "---"]
-    eval_part = (f"{table}\n\n{TAU_NOTE}" if table
+    measured = (f"\n\nMeasured head: sha256 `{ids['head_sha256']}`; eval config sha256 `{ids['config_sha256']}`."
+                if ids else "")
+    eval_part = (f"{table}\n\n{TAU_NOTE}{measured}" if table
                  else "No eval report was found: this head was published with --force and is unmeasured.")
     files_part = "\n".join(f"- `{f}`" for f in files)
     return "\n".join(front) + f"""
@@ -196,36 +222,70 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--license", default="apache-2.0", help="license id for the card (default apache-2.0)")
     p.add_argument("--stage", help="folder to stage into (default: a temporary folder)")
     args = p.parse_args(argv)
-    if args.repo_id.count("/") != 1 or not all(args.repo_id.split("/")):
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:  # the Hub's own rules (characters, length, '--' and '..'): a bad id never reaches the card's commands
+        validate_repo_id(args.repo_id)
+    except HFValidationError as e:
+        p.error(f"--repo-id '{args.repo_id}': {' '.join(str(e).split())}")
+    if args.repo_id.count("/") != 1:
         p.error(f"--repo-id must look like ORG/NAME, got '{args.repo_id}'")
     return args
+
+
+def prepare(args: argparse.Namespace, out: Path) -> tuple[dict, list[str], str]:
+    """Check the head and its report, stage the folder `out`, write its card: (meta, files, card)."""
+    head = Path(args.head)
+    _, meta = read_head_config(head)
+    js, md = find_report(head, args.report)
+    if js is None and md is None and not args.force:
+        raise PublishError(
+            f"{head}: no eval report (report.json / report.md in {head}, {head}/eval or {head.parent}/eval); "
+            "run `python -m eval.run --head ...` first, pass --report, or --force to publish unmeasured"
+        )
+    ids = check_report(head, js, md) if (js or md) else None
+    table = report_table(js, md) if (js or md) else None
+    if out.exists():  # created fresh: a folder the tool did not create is never deleted
+        raise PublishError(f"{out}: already exists; remove it yourself or give another --stage")
+    k = best_k(js)  # the measured best draft length goes into the speculators config and the commands
+    stage(head, meta, out, args.target or meta["target"]["name_or_path"], js, md, k)
+    for marker in out.rglob(MARKER):  # the exports' ownership markers are local bookkeeping, not for the Hub
+        marker.unlink()
+    files = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file()) + ["README.md"]
+    card = model_card(meta, args.repo_id, table, sorted(files), args.license, k, ids)
+    (out / "README.md").write_text(card)
+    return meta, files, card
+
+
+def upload(args: argparse.Namespace, out: Path, meta: dict, n_files: int, token: str | None) -> int:
+    """create_repo + upload_folder; a failing Hub call (HTTP, auth) is one `upload failed` line, the token
+    scrubbed (no traceback that could echo headers)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        raise PublishError("HF_HUB_OFFLINE is set: unset it to publish (or use --dry-run)")
+    from huggingface_hub import HfApi
+
+    try:
+        api = HfApi(token=token)
+        url = api.create_repo(args.repo_id, private=args.private, exist_ok=True, repo_type="model")
+        api.upload_folder(folder_path=str(out), repo_id=args.repo_id, repo_type="model",
+                          commit_message=f"Upload {meta['family']} head ({n_files} files)")
+    except Exception as e:
+        print(f"error: upload failed: {type(e).__name__}: {_scrub(' '.join(str(e).split()), token)}", file=sys.stderr)
+        return 2
+    print(f"uploaded to {url}")
+    return 0
 
 
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     token = os.environ.get("HF_TOKEN") or None
-    head = Path(args.head)
     tmp: tempfile.TemporaryDirectory | None = None
     try:
-        _, meta = read_head_config(head)
-        js, md = find_report(head, args.report)
-        if js is None and md is None and not args.force:
-            raise PublishError(
-                f"{head}: no eval report (report.json / report.md in {head}, {head}/eval or {head.parent}/eval); "
-                "run `python -m eval.run --head ...` first, pass --report, or --force to publish unmeasured"
-            )
-        table = report_table(js, md) if (js or md) else None
         if not args.stage:
             tmp = tempfile.TemporaryDirectory()
         out = Path(args.stage or tmp.name) / "publish"
-        if out.exists():  # created fresh: a folder the tool did not create is never deleted
-            raise PublishError(f"{out}: already exists; remove it yourself or give another --stage")
-        k = best_k(js)  # the measured best draft length goes into the speculators config and the commands
-        stage(head, meta, out, args.target or meta["target"]["name_or_path"], js, md, k)
-        files = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file()) + ["README.md"]
-        card = model_card(meta, args.repo_id, table, sorted(files), args.license, k)
-        (out / "README.md").write_text(card)
+        meta, files, card = prepare(args, out)
         print(f"files to upload to {args.repo_id}{' (private)' if args.private else ''}:")
         for f in sorted(files):
             print(f"  {f}  ({(out / f).stat().st_size} bytes)")
@@ -233,22 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print("dry run: nothing uploaded")
             return 0
-        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-            raise PublishError("HF_HUB_OFFLINE is set: unset it to publish (or use --dry-run)")
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
-        url = api.create_repo(args.repo_id, private=args.private, exist_ok=True, repo_type="model")
-        api.upload_folder(folder_path=str(out), repo_id=args.repo_id, repo_type="model",
-                          commit_message=f"Upload {meta['family']} head ({len(files)} files)")
-        print(f"uploaded to {url}")
-        return 0
+        return upload(args, out, meta, len(files), token)
     except Exception as e:
-        if is_user_error(e):
-            print(f"error: {_scrub(one_line(e), token)}", file=sys.stderr)
-            return 2
-        # Hub client errors (HTTP, auth): reported without a traceback that could echo headers
-        print(f"error: upload failed: {type(e).__name__}: {_scrub(str(e), token)}", file=sys.stderr)
+        if not is_user_error(e):
+            raise  # a bug in this tool, not an upload failure: its traceback says where
+        print(f"error: {_scrub(one_line(e), token)}", file=sys.stderr)
         return 2
     finally:
         if tmp is not None:

@@ -297,9 +297,12 @@ def _head_config_case(edit: Callable[[dict], None]) -> Callable[[Path, Path, dic
 
 
 def case_head_wrong_shape(tmp: Path, run: Path, store: dict) -> Case:
-    """A head (of before checksums: no `files` in config.json) holding a tensor of another shape: torch's
-    load_state_dict would raise a bare RuntimeError; load_head names the tensor and both shapes."""
+    """A head holding a tensor of another shape, its checksum recorded anew (a head without one is refused
+    since issue 29): torch's load_state_dict would raise a bare RuntimeError; load_head names the tensor and
+    both shapes."""
     from safetensors.torch import load_file, save_file
+
+    from heads.base import sha256_file
 
     head = tmp / "head"
     shutil.copytree(run / "head", head)
@@ -308,7 +311,7 @@ def case_head_wrong_shape(tmp: Path, run: Path, store: dict) -> Case:
     state[key] = torch.zeros(state[key].shape[0] + 1, state[key].shape[1])
     save_file(state, str(head / "model.safetensors"))
     meta = json.loads((head / "config.json").read_text())
-    meta.pop("files")
+    meta["files"] = {"model.safetensors": sha256_file(head / "model.safetensors")}
     (head / "config.json").write_text(json.dumps(meta))
     return Case(eval.run.main, ["--head", str(head), "--target", "tiny-random-llama", "--out", str(tmp / "ev")],
                 (str(head / "model.safetensors"), key, "has shape"), [head])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from heads import eagle
-from heads.base import save_head
+from heads.base import save_head, sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_TESTsecretTOKEN0123456789"
@@ -51,7 +51,7 @@ def run_dir(tiny_target, tmp_path):
     report = {"speedup_model": {"best_k": 3}, "benchmarks": {
         "mt_bench": {"by_temperature": {"0.0": {"tau": 2.314, "speedup": 1.41, "acceptance_per_position": [0.7, 0.5]}}},
         "gsm8k": {"by_temperature": {"0.0": {"tau": 2.907, "speedup": 1.66, "acceptance_per_position": [0.8, 0.6]}}},
-    }}
+    }, "head_sha256": sha256_file(tmp_path / "run" / "head" / "model.safetensors")}  # eval.run records the head
     (tmp_path / "run" / "eval" / "report.json").write_text(json.dumps(report))
     return tmp_path / "run"
 

@@ -3,6 +3,7 @@
     accelerator = make_accelerator(cfg)          # refuses a launch accelerate would run other than asked
     apply_plan(accelerator, plan, cfg)           # before accelerator.prepare
     teardown(accelerator)                        # at the end of the run, also after an error
+    with claim_run_folder(cfg.out, resume):      # before anything else: the folder is this run's, locked
 
 DDP / DeepSpeed ZeRO-2/3 / FSDP come from the accelerate config file; gloo on CPU; bf16 or fp32 from
 train.mixed_precision.
@@ -15,6 +16,8 @@ import importlib
 import importlib.util
 import os
 import sys
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,8 +26,35 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from transformers.integrations import unset_hf_deepspeed_config
 
 from data.config import RunConfig
+from data.files import FolderLock, read_marker, refuse_symlinks
 from train.batches import Plan
 from train.errors import TrainError
+
+# What a training writes into its folder: a fresh run (no --resume) refuses a folder that already holds one.
+RUN_OUTPUTS = ("head", "checkpoints", "metrics.jsonl")
+
+
+def claim_run_folder(out: str | Path, resume: str | None,
+                     env: dict[str, str] | None = None) -> AbstractContextManager:
+    """Refuse a run folder training must not write into, then lock it (rank 0; a context manager).
+
+    Refused: a symlink at or inside it (writes would go through it), another stage's folder (its marker),
+    and, without --resume, a folder that already holds a training run (it would be silently replaced and
+    metrics.jsonl would mix both runs). The data stages' files beside it (the quickstart's one folder) stay."""
+    out = Path(out)
+    refuse_symlinks(out, "run folder")
+    owner = read_marker(out)
+    if owner not in (None, "train"):
+        raise TrainError(f"{out}: this folder belongs to a {owner} run; choose another --out for training")
+    if resume is None:
+        done = [name for name in RUN_OUTPUTS if (out / name).exists()]
+        if done:
+            raise TrainError(f"{out}: already holds a training run ({done[0]}); pass --resume auto to continue it, "
+                             f"or choose another --out")
+    env = os.environ if env is None else env
+    if env.get("RANK", "0") != "0":
+        return nullcontext()  # one lock per run, held by rank 0
+    return FolderLock(out, "a training")
 
 
 def check_launch(dist: Any, env: dict[str, str] | None = None) -> None:

@@ -59,7 +59,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from tqdm import tqdm
 
-from data.cli import cli_main
+from data.cli import cli_main, write_atomic
 from data.config import RunConfig, check_layer_ids, parse_args, save_config, to_dict
 from data.featureset import FeatureSet, open_featureset
 from data.target import load_config_only, text_config
@@ -69,7 +69,7 @@ from heads.base import HeadMismatchError, TargetIO, check_finite, family_module,
 from train.batches import Plan, holdout_loader, make_plan, train_loader
 from train.checkpoint import Resume, open_resume, restore, write_checkpoint
 from train.errors import TrainError
-from train.launch import apply_plan, make_accelerator, teardown
+from train.launch import apply_plan, claim_run_folder, make_accelerator, teardown
 from train.metrics import MetricsLog, MetricSum, TrainWindow, format_eval
 from train.placement import FrozenTarget, load_frozen_target
 from train.schedule import make_scheduler
@@ -134,16 +134,17 @@ def train(cfg: RunConfig, resume: str | None = None, on_step: Callable[[int], No
     """
     # Before anything heavy: the checkpoint is sound, the config changes are ones a resume can apply,
     # the layer ids fit the target (read from its config before any weight loads).
-    checkpoint = open_resume(cfg, resume, trust_checkpoint)
-    check_layer_ids(cfg, text_config(load_config_only(cfg.target)))
-    accelerator = make_accelerator(cfg)
-    try:
-        with StopSignals() as stop:
-            # The Run (and the DDP/DeepSpeed model it holds) lives only in _prepare_and_fit's frame, so it is
-            # gone when teardown ends the process groups (train/launch.py says why that order matters).
-            return _prepare_and_fit(cfg, accelerator, checkpoint, stop, on_step)
-    finally:
-        teardown(accelerator)
+    with claim_run_folder(cfg.out, resume):
+        checkpoint = open_resume(cfg, resume, trust_checkpoint)
+        check_layer_ids(cfg, text_config(load_config_only(cfg.target)))
+        accelerator = make_accelerator(cfg)
+        try:
+            with StopSignals() as stop:
+                # The Run (and the DDP/DeepSpeed model it holds) lives only in _prepare_and_fit's frame, so it
+                # is gone when teardown ends the process groups (train/launch.py says why that order matters).
+                return _prepare_and_fit(cfg, accelerator, checkpoint, stop, on_step)
+        finally:
+            teardown(accelerator)
 
 
 def _prepare_and_fit(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume, stop: StopSignals,
@@ -329,7 +330,7 @@ def finish(run: Run, step: int, last_eval: dict[str, float], loss_value: float) 
     last_eval = evaluate_holdout(run, step) or last_eval
     rank, world = run.accelerator.process_index, run.accelerator.num_processes
     digest = params_digest(run.accelerator.unwrap_model(run.model))
-    (run.out / f"final_params_digest.rank{rank}.txt").write_text(digest + "\n")
+    write_atomic(run.out / f"final_params_digest.rank{rank}.txt", digest + "\n")
     run.log.write({"event": "end", "step": step, "world_size": world, "params_digest": digest,
                    "final_train_loss": loss_value, **{f"eval/{k}": v for k, v in last_eval.items()}})
     run.log.close()

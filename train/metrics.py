@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from data.config import RunConfig, to_dict
+from data.files import append_line
 
 
 def step_keys(metrics: dict[str, float]) -> list[int]:
@@ -125,8 +126,7 @@ class MetricsLog:
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(finite_or_none(row), allow_nan=False) + "\n")
+        append_line(self.path, json.dumps(finite_or_none(row), allow_nan=False))  # never through a symlink
         if self.wandb is not None and "step" in row:
             self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=int(row["step"]))
 

@@ -1,4 +1,5 @@
-"""Preemption signals: SIGTERM or SIGUSR1 (SLURM preemption / time limit) ask a run to save and stop.
+"""Preemption signals: SIGTERM or SIGUSR1 (SLURM preemption / time limit) or Ctrl-C (SIGINT) ask a run to
+save and stop. A second Ctrl-C stops at once (KeyboardInterrupt: one line at the CLI, nothing saved).
 
     with StopSignals() as stop:              # handlers installed; the previous ones restored on exit
         for step in ...:
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopSignals:
@@ -29,6 +30,8 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.signal == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: the user does not want to wait for the step in flight
         self.signal = signum
 
     def __enter__(self) -> StopSignals:
