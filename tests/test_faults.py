@@ -528,8 +528,7 @@ def test_hybrid_budgets_go_to_their_own_proposer():
     ngram = NgramDrafter()
     ngram.begin(torch.tensor([[5, 1, 2, 7, 8, 9, 5]]), None, 1)  # suffix (5, 1) was continued with 2 7 8 9
     d = HybridDrafter(Chain(), ngram)
-    d.budgets = {"head": 1, "ngram": 4}
-    tree = d.draft(4, 0.0)
+    tree = d.draft(4, 0.0, budgets={"head": 1, "ngram": 4})
     assert tree.tokens.tolist() == [2, 7, 8, 9] and tree.sources == ["head+ngram", "ngram", "ngram", "ngram"]
 
 
