@@ -70,7 +70,8 @@ from eval.policy import AdaptivePolicy, LearnedVerifyCost, measured_prior
 from eval.report import markdown, write_report
 from eval.speedup import speedup_model
 from eval.vllm_engine import ServeError, check_servable, served_sections  # imports vllm only when serving
-from heads.base import Drafter, family_module, load_head, read_head_config
+from heads import registry
+from heads.base import Drafter, load_head, read_head_config
 
 BASELINES = ("ngram", "hf_prompt_lookup")
 DRAFTERS = ("head", "ngram", "head+ngram")
@@ -410,7 +411,7 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
 
     def factory(k: int) -> Callable[[], Drafter]:
         # the family maps eval.tree onto its own options (HeadError, one line, for a tree it does not have)
-        return NgramDrafter if drafter == "ngram" else family_module(head_cfg.family).drafter_factory(head, io, tree, k)
+        return NgramDrafter if drafter == "ngram" else registry.get(head_cfg.family).drafter_factory(head, io, tree, k)
 
     target = _Target(model, tok, io, device, eos_ids(model, tok))
     return target, _Subject(drafter, head_cfg, main, methods, factory)
