@@ -15,8 +15,9 @@ check a folder against the same spec and rebuild a native head through the famil
 checkpoint can be evaluated here.
 
 Modules: spec.py (the spec checker), folders.py (folder I/O), common.py (target/tensor helpers),
-family.py (what a family declares), one converter module per family (eagle1.py, eagle3.py, medusa.py,
-mtp.py), registry.py (the declarations collected; `served_by_vllm`), api.py (export_head, import_folder).
+family.py (what a family declares), one converter module per family with engine layouts (eagle1.py,
+eagle3.py, medusa.py, mtp.py; a native-only family needs none), registry.py (the declarations found by
+scanning this package, no list; `served_by_vllm`), api.py (export_head, import_folder).
 Layering: scripts -> train -> eval -> convert -> data -> heads; convert imports heads only. The command
 line is scripts/export.py:
 
