@@ -11,7 +11,7 @@ Formats (the written specification is `convert/formats/<name>.json`, explained i
 Every exporter builds the whole folder in memory, checks its config keys, weight keys, shapes and dtypes
 against the spec, writes to a temporary folder, checks the files read back from disk, then renames the
 folder into place: an incomplete export (a missing `d2t`, say) is refused and never written. Importers
-check a folder against the same spec and rebuild a native head through the family module, so a public
+check a folder against the same spec and rebuild a native head through heads.registry, so a public
 checkpoint can be evaluated here.
 
 Modules: spec.py (the spec checker), folders.py (folder I/O), common.py (target/tensor helpers),
