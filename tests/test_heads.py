@@ -1,6 +1,7 @@
 """What every head family shares, for every family of heads.registry: what a Family declares (config, tiny
-config, trees, entry script), drafter_factory's eval.tree mapping; the drafters' KV cache helpers
-(heads.cache), and the names heads.base keeps re-exporting.
+config, trees, entry script), drafter_factory's eval.tree mapping, greedy decoding identical to the target's
+with each mapped tree; the drafters' KV cache helpers (heads.cache), and the names heads.base keeps
+re-exporting.
 
     .venv/bin/python -m pytest -q tests/test_heads.py
 """
@@ -12,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from drafters_common import hf_greedy
 from transformers import DynamicCache
 
 from data.config import EvalConfig, load_config
+from eval.decoder import speculative_generate
 from heads import eagle, medusa, mtp, registry
 from heads.base import HeadError
 from heads.cache import cache_length, crop_to
@@ -55,6 +58,17 @@ def test_drafter_factory_maps_or_refuses_each_eval_tree(tiny_target, heads, fami
     else:
         with pytest.raises(HeadError, match=rf"^eval.tree '{tree}' is not available for a {family} head$"):
             fam.drafter_factory(heads[family], io, tree, 4)
+
+
+@pytest.mark.parametrize(("family", "tree"), [(f, t) for f in FAMILIES for t in ("auto", *registry.get(f).trees)])
+def test_greedy_decoding_with_every_family_and_tree_is_the_targets(tiny_target, heads, family, tree):
+    """An untrained head's drafts are mostly rejected, yet the output is model.generate's greedy text."""
+    model, _, io = tiny_target
+    ids = torch.tensor([[1, 72, 101, 108, 108, 111]])
+    ref, eos = hf_greedy(model, ids, 12)
+    make = registry.get(family).drafter_factory(heads[family], io, tree, 2)
+    out, _ = speculative_generate(model, ids, make(), k=2, max_new_tokens=12, eos_token_id=eos)
+    assert out.tolist() == ref.tolist()
 
 
 def _options(d) -> tuple:
