@@ -11,12 +11,13 @@ Formats (the written specification is `convert/formats/<name>.json`, explained i
 Every exporter builds the whole folder in memory, checks its config keys, weight keys, shapes and dtypes
 against the spec, writes to a temporary folder, checks the files read back from disk, then renames the
 folder into place: an incomplete export (a missing `d2t`, say) is refused and never written. Importers
-check a folder against the same spec and rebuild a native head through the family module, so a public
+check a folder against the same spec and rebuild a native head through heads.registry, so a public
 checkpoint can be evaluated here.
 
 Modules: spec.py (the spec checker), folders.py (folder I/O), common.py (target/tensor helpers),
-family.py (what a family declares), one converter module per family (eagle1.py, eagle3.py, medusa.py,
-mtp.py), registry.py (the declarations collected; `served_by_vllm`), api.py (export_head, import_folder).
+family.py (what a family declares), one converter module per family with engine layouts (eagle1.py,
+eagle3.py, medusa.py, mtp.py; a native-only family needs none), registry.py (the declarations found by
+scanning this package, no list; `served_by_vllm`), api.py (export_head, import_folder).
 Layering: scripts -> train -> eval -> convert -> data -> heads; convert imports heads only. The command
 line is scripts/export.py:
 

@@ -4,7 +4,7 @@
     export_head("runs/quickstart/head", "speculators", "exports/vllm", target)
     head, cfg, provenance = import_folder("path/to/EAGLE3-folder", "sglang", target)
 
-The family's converter (convert/<family>.py, found through convert/registry.py) maps names and builds the
+The family's converter (convert/<family>.py, found by convert/registry.py) maps names and builds the
 config; everything is checked against the spec before and after writing (convert/folders.py).
 """
 
@@ -19,14 +19,8 @@ from convert.common import cast_floats, float_dtype_name, verifier_id
 from convert.folders import check_out, read_folder, write_folder, write_head_folder
 from convert.registry import EXPORT_FORMATS, FORMAT_FAMILIES, IMPORT_FORMATS, LAYOUTS
 from convert.spec import FLOAT_DTYPES, ExportError, check_config, load_spec, validate
-from heads.base import (
-    FORMAT_VERSION,
-    HeadConfig,
-    HeadMismatchError,
-    TargetIO,
-    family_module,
-    load_head,
-)
+from heads import registry
+from heads.base import FORMAT_VERSION, HeadConfig, HeadMismatchError, TargetIO, load_head
 
 
 def build_export(
@@ -92,7 +86,7 @@ def import_folder(folder: str | Path, fmt: str, target: TargetIO) -> tuple[nn.Mo
     validate(fmt, config, state, target, where=str(folder))
     where = str(folder)
     cfg, native = LAYOUTS[fmt][1].import_(config, state, target, where)
-    head = family_module(cfg.family).build(cfg, target)
+    head = registry.get(cfg.family).build(cfg, target)
     own = head.state_dict()
     missing, unexpected = sorted(set(own) - set(native)), sorted(set(native) - set(own))
     if missing or unexpected:

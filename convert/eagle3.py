@@ -13,7 +13,8 @@ from torch import nn
 from convert.common import causal_lm_architecture, head_state, rope_fields
 from convert.family import FamilyExports, Layout, VllmServing
 from convert.spec import ExportError
-from heads.base import HeadConfig, HeadMismatchError, TargetIO, family_module
+from heads import registry
+from heads.base import HeadConfig, HeadMismatchError, TargetIO
 
 SPECULATORS_VERSION = "0.1.0"
 NATIVE_PREFIX = "midlayer."
@@ -152,7 +153,7 @@ def _import(config: dict, state: dict[str, torch.Tensor], target: TargetIO, wher
     """(Eagle3Config, native state dict) from a checked draft layer config, native layer ids, key prefix."""
     _check_layer(layer, config, target, where)
     inter = int(layer["intermediate_size"])
-    cfg = family_module("eagle3").CONFIGS["eagle3"](
+    cfg = registry.get("eagle3").config(
         layer_ids=ids,
         draft_vocab_size=int(config["draft_vocab_size"]),
         # null = "the target's width", as a natively trained head records it

@@ -1,13 +1,15 @@
 """What each head family declares about export: the engine layouts it converts to and what serves it.
 
-Every family has one module here (convert/<family>.py) ending in
+A family with an engine layout (or a serving note of its own) has one module here, convert/<family>.py,
+ending in
 
     EXPORTS = FamilyExports(family="...", layouts=(Layout("fmt", export_fn, import_fn), ...),
                             vllm=VllmServing(...) or None, not_served="why vLLM cannot serve it",
                             serving=a function writing the model card's serving commands)
 
-and convert/registry.py collects them; nothing outside convert/ names a family's layouts. A Layout's
-`format` names its written specification, convert/formats/<format>.json.
+and convert/registry.py finds them (every convert module defining EXPORTS; a native-only family needs none);
+nothing outside convert/ names a family's layouts. A Layout's `format` names its written specification,
+convert/formats/<format>.json.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from torch import nn
 from convert.common import head_state
 from convert.family import FamilyExports, Layout
 from convert.spec import ExportError
-from heads.base import HeadConfig, TargetIO, family_module
+from heads import registry
+from heads.base import HeadConfig, TargetIO
 
 NATIVE_BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
 NATIVE_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
@@ -45,7 +46,7 @@ def export_medusa(head: nn.Module, cfg: HeadConfig, meta: dict, target: TargetIO
 
 def import_medusa(config: dict, state: dict[str, torch.Tensor], target: TargetIO, where: str
                   ) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
-    cfg = family_module("medusa").CONFIGS["medusa"](
+    cfg = registry.get("medusa").config(
         num_heads=int(config["medusa_num_heads"]), num_layers=int(config["medusa_num_layers"])
     )
     n = cfg.num_layers

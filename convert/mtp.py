@@ -14,7 +14,8 @@ from torch import nn
 from convert.common import causal_lm_architecture, head_state
 from convert.family import FamilyExports, Layout
 from convert.spec import ExportError
-from heads.base import HeadConfig, HeadMismatchError, TargetIO, family_module
+from heads import registry
+from heads.base import HeadConfig, HeadMismatchError, TargetIO
 
 # Tensors of every module that are copies of the target's own (the importer checks and drops them).
 TARGET_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
@@ -66,7 +67,7 @@ def import_mtp(config: dict, state: dict[str, torch.Tensor], target: TargetIO, w
     if L != target.num_layers:
         raise HeadMismatchError(f"{where}: num_hidden_layers is {L} but the target has {target.num_layers}")
     extra = config.get("draftheads_mtp", {})
-    cfg = family_module("mtp").CONFIGS["mtp"](
+    cfg = registry.get("mtp").config(
         num_modules=K, recursive=bool(extra.get("recursive", False)), num_steps=int(extra.get("num_steps", 3))
     )
     if cfg.recursive and K != 1:

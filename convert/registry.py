@@ -4,17 +4,41 @@
     served_by_vllm("medusa")   # (None, "exported in the Medusa repository's layout; ...")
     layouts_of("eagle3")       # ("speculators", "sglang"): the first is the main one
 
-A new family adds its module to FAMILY_MODULES (tests/test_export.py checks every family of
-heads.base.FAMILIES is declared here).
+The declarations are found, not listed: every module of the `convert` package that defines a module-level
+`EXPORTS` (a FamilyExports) is one, so a family with an engine layout adds only its convert/<family>.py.
+A native-only family needs no module here at all: it exports to `native` (the head folder, checked by
+convert/formats/native.json and heads.base.load_head), and served_by_vllm gives NATIVE_ONLY as the reason
+vLLM does not serve it. A module that declares EXPORTS must not import this one (this module imports it
+while being imported itself). tests/test_export.py checks that every declared family is a registered one
+(heads.registry).
 """
 
 from __future__ import annotations
 
-from convert import eagle1, eagle3, medusa, mtp
+import importlib
+import pkgutil
+
+import convert
 from convert.family import FamilyExports, Layout, VllmServing
 
-FAMILY_MODULES = (eagle1, eagle3, medusa, mtp)
-FAMILY_EXPORTS: dict[str, FamilyExports] = {m.EXPORTS.family: m.EXPORTS for m in FAMILY_MODULES}
+# Why vLLM does not serve a family that declares no exports (eval/vllm_engine.py prints it).
+NATIVE_ONLY = "it is native only (no convert/<family>.py declares an engine layout for it)"
+
+
+def _declared() -> dict[str, FamilyExports]:
+    """family -> EXPORTS of every convert module that has one, in module-name order. Modules being imported
+    right now (the package itself, convert.api, this one) come back from sys.modules as they are."""
+    found: dict[str, FamilyExports] = {}
+    for info in pkgutil.iter_modules(convert.__path__, "convert."):
+        exports = getattr(importlib.import_module(info.name), "EXPORTS", None)
+        if isinstance(exports, FamilyExports):
+            if exports.family in found:
+                raise ValueError(f"{info.name}: family '{exports.family}' declares its exports twice")
+            found[exports.family] = exports
+    return found
+
+
+FAMILY_EXPORTS: dict[str, FamilyExports] = _declared()
 # format -> (family, layout), in declaration order
 LAYOUTS: dict[str, tuple[str, Layout]] = {
     layout.format: (e.family, layout) for e in FAMILY_EXPORTS.values() for layout in e.layouts
@@ -26,10 +50,10 @@ FORMAT_FAMILIES = {fmt: (family,) for fmt, (family, _) in LAYOUTS.items()}
 
 
 def served_by_vllm(family: str) -> tuple[VllmServing | None, str]:
-    """(how vLLM serves `family`, or None, and then why not; "" for a family nobody declared)."""
+    """(how vLLM serves `family`, or None, and then why not: NATIVE_ONLY for a family nobody declared)."""
     exports = FAMILY_EXPORTS.get(family)
     if exports is None:
-        return None, ""
+        return None, NATIVE_ONLY
     return exports.vllm, exports.not_served
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from heads import registry
 from heads.base import HeadError, TargetIO
 
 SPEC_DIR = Path(__file__).parent / "formats"
@@ -90,7 +91,7 @@ def _type_ok(value: Any, tp: str) -> bool:
 
 
 def _check_key(config: dict, key: str, rule: dict, value: Any, where: str) -> None:
-    """One present config key against its rule (type, equals, one_of, min, lengths, items, in)."""
+    """One present config key against its rule (type, equals, one_of, head_family, min, lengths, items, in)."""
     tp = rule["type"]
     if not _type_ok(value, tp):
         raise ExportError(f"{where}: config key '{key}' must be {tp}, got {value!r}")
@@ -98,6 +99,8 @@ def _check_key(config: dict, key: str, rule: dict, value: Any, where: str) -> No
         raise ExportError(f"{where}: config key '{key}' must be {rule['equals']!r}, got {value!r}")
     if "one_of" in rule and value not in rule["one_of"]:
         raise ExportError(f"{where}: config key '{key}' must be one of {rule['one_of']}, got {value!r}")
+    if rule.get("head_family") and value not in registry.names():  # a family added later needs no spec edit
+        raise ExportError(f"{where}: config key '{key}' must be one of {list(registry.names())}, got {value!r}")
     items = value if isinstance(value, list) else [value]
     if "min" in rule and any(v < rule["min"] for v in items):
         raise ExportError(f"{where}: config key '{key}' must be >= {rule['min']}, got {value!r}")

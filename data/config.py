@@ -38,7 +38,8 @@ from pydantic import BeforeValidator, ConfigDict, Field, PlainValidator, Strict
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from data.cli import UserError, one_line, write_atomic
-from heads.base import HeadConfig, family_module
+from heads import registry
+from heads.base import HeadConfig
 
 T = TypeVar("T")
 
@@ -307,7 +308,7 @@ class RunConfig:
 def check_layer_ids(cfg: RunConfig, target_config: Any) -> list[int]:
     """The head's feature layers for this target config (read without weights); ConfigError when out of range."""
     try:
-        return list(family_module(cfg.head.family).feature_layers(cfg.head, target_config))
+        return list(registry.get(cfg.head.family).feature_layers(cfg.head, target_config))
     except ValueError as e:
         raise ConfigError(f"config key 'head.layer_ids' for target '{cfg.target.name_or_path}': {e}") from None
 

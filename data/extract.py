@@ -71,17 +71,16 @@ from data.store import (
 )
 from data.target import load_config_only, load_target, resolve_device, text_config
 from data.tokenize import build_datasets, collate, dataset_fingerprint
-from heads.base import check_target, family_module, target_record
+from heads import registry
+from heads.base import check_target, target_record
 
 SPLITS = ("train", "holdout")
 
 
 def head_layer_ids(cfg: RunConfig, target_config: Any) -> list[int]:
     """The hidden_states indices the configured head family asks for (may be empty: `last` only)."""
-    mod = family_module(cfg.head.family)
-    if not hasattr(mod, "feature_layers"):
-        raise RuntimeError(f"head family '{cfg.head.family}' ({mod.__name__}) does not define feature_layers yet")
-    return [int(i) for i in mod.feature_layers(cfg.head, target_config)]
+    family = registry.get(cfg.head.family)
+    return [int(i) for i in family.feature_layers(cfg.head, target_config)]
 
 
 def plan_shards(lengths: list[int], rank: int, world: int, batch_tokens: int, shard_tokens: int) -> list[list[list[int]]]:

@@ -67,7 +67,8 @@ from eval.report import assemble_report, claim_eval_folder, markdown, write_repo
 from eval.tally import BASELINES, benchmarks_section, speedup_section
 from eval.turns import Served, Subject, Target, Turns
 from eval.vllm_engine import ServeError, add_served, check_servable  # imports vllm only when serving
-from heads.base import Drafter, family_module, load_head, read_head_config
+from heads import registry
+from heads.base import Drafter, load_head, read_head_config
 
 DRAFTERS = ("head", "ngram", "head+ngram")
 POLICIES = ("adaptive", "fixed")
@@ -137,7 +138,7 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
 
     def factory(k: int) -> Callable[[], Drafter]:
         # the family maps eval.tree onto its own options (HeadError, one line, for a tree it does not have)
-        return NgramDrafter if drafter == "ngram" else family_module(head_cfg.family).drafter_factory(head, io, tree, k)
+        return NgramDrafter if drafter == "ngram" else registry.get(head_cfg.family).drafter_factory(head, io, tree, k)
 
     target = Target(model, tok, io, device, eos_ids(model, tok))
     return target, Subject(drafter, head_cfg, main, methods, factory)

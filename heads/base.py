@@ -1,14 +1,8 @@
-"""The family registry, the head config base, and the head folder format (save, read, check, load).
+"""The head config base and the head folder format (save, read, check, load).
 
-A family is a module (or package) in `heads/` (`eagle/`, `medusa.py`, `mtp.py`) that provides:
-
-    CONFIGS: dict[str, type[HeadConfig]]          family name -> its config dataclass
-    feature_layers(cfg, target_config) -> list[int]   hidden_states indices the head needs as `aux`
-    build(cfg, target: TargetIO) -> nn.Module         a fresh head (frozen target parts are NOT inside it)
-    loss(head, batch, target: TargetIO) -> (loss, metrics)   metrics has per-position top-1 (`top1/0`, ...)
-    drafter(head, target: TargetIO, **kw) -> Drafter  the decoder adapter (see heads.types.Drafter)
-    drafter_factory(head, target, tree="auto", k=4) -> () -> Drafter   eval.tree mapped onto drafter's options
-    prepare(cfg, dataset, target) -> dict[str, Tensor]   optional: data-derived initial tensors
+A head family is one `heads.registry.Family` (config class, feature_layers, build, loss, drafter_factory,
+...), declared in its own module or package of `heads/` (`eagle/`, `medusa.py`, `mtp.py`) and found by
+heads.registry; this module reaches families only through that registry.
 
 A head folder is what `save_head` writes and `load_head` reads (`config.json` + `model.safetensors`);
 `load_head` refuses a folder whose target (hidden size, vocab, layers, fingerprint) does not match, whose
@@ -23,17 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from heads import registry
 from heads.align import shift_targets
 from heads.cache import cache_kwarg
 from heads.types import Drafter, DraftTree, Features, TargetIO, target_fingerprint, target_record
@@ -43,20 +36,11 @@ __all__ = [
     "DraftTree", "Drafter", "Features", "TargetIO", "cache_kwarg", "shift_targets", "target_fingerprint",
     "target_record",
     # defined here
-    "FAMILIES", "FORMAT_VERSION", "HeadConfig", "HeadError", "HeadMismatchError", "check_eval_tree", "check_finite",
-    "check_vocab_map",
-    "check_target", "family_module", "load_head", "read_head_config", "save_head", "sha256_file",
+    "FORMAT_VERSION", "HeadConfig", "HeadError", "HeadMismatchError", "check_eval_tree", "check_finite",
+    "check_target", "check_vocab_map", "load_head", "read_head_config", "save_head", "sha256_file",
 ]
 
 FORMAT_VERSION = 1
-
-# family name -> module implementing it; eval and export rebuild any head from its folder through this.
-FAMILIES: dict[str, str] = {
-    "eagle1": "heads.eagle",
-    "eagle3": "heads.eagle",
-    "medusa": "heads.medusa",
-    "mtp": "heads.mtp",
-}
 
 
 class HeadError(ValueError):
@@ -68,12 +52,6 @@ class HeadError(ValueError):
 
 class HeadMismatchError(HeadError):
     """A head folder does not fit the target (or the store); the message names the mismatch."""
-
-
-def family_module(family: str) -> Any:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown head family '{family}' (known: {', '.join(sorted(FAMILIES))})")
-    return importlib.import_module(FAMILIES[family])
 
 
 def check_eval_tree(tree: str, family: str, available: tuple[str, ...]) -> None:
@@ -90,10 +68,8 @@ class HeadConfig:
 
     @classmethod
     def resolve_class(cls, data: dict) -> type[HeadConfig]:
-        family = data.get("family", "eagle3")
-        if family not in FAMILIES:
-            raise ValueError(f"unknown head family '{family}' (known: {', '.join(sorted(FAMILIES))})")
-        return family_module(family).CONFIGS[family]
+        """The config dataclass of `data`'s family (ValueError naming the known ones for an unknown one)."""
+        return registry.get(data.get("family", "eagle3")).config
 
 
 # ----------------------------------------------------------------------------------------------- folders
@@ -140,8 +116,7 @@ def save_head(path: str | Path, head: nn.Module, cfg: HeadConfig, target: Target
     config.json records the sha256 of model.safetensors (`files`), checked by load_head; non-finite
     weights are refused (HeadError) before anything is written."""
     out = Path(path)
-    mod = family_module(cfg.family)
-    layer_ids = list(mod.feature_layers(cfg, target.config))
+    layer_ids = list(registry.get(cfg.family).feature_layers(cfg, target.config))
     state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
     check_finite(state, str(out))
     out.mkdir(parents=True, exist_ok=True)
@@ -179,15 +154,15 @@ def read_head_config(path: str | Path) -> tuple[HeadConfig, dict]:
     if not isinstance(meta, dict) or meta.get("format") != "draftheads":
         raise HeadError(f"{cfg_path}: not a draftheads head folder (use scripts/export.py --import for other layouts)")
     family = meta.get("family")
-    if family not in FAMILIES:
-        raise HeadError(f"{cfg_path}: key 'family' is {family!r}, not one of {', '.join(sorted(FAMILIES))}")
+    if family not in registry.names():
+        raise HeadError(f"{cfg_path}: key 'family' is {family!r}, not one of {', '.join(registry.names())}")
     raw = meta.get("head_config")
     if not isinstance(raw, dict) or raw.get("family", family) != family:
         raise HeadError(f"{cfg_path}: key 'head_config' is missing or names another family than 'family' ({family})")
     for key in ("target", "layer_ids"):
         if not isinstance(meta.get(key), dict if key == "target" else list):
             raise HeadError(f"{cfg_path}: key '{key}' is missing or malformed")
-    cls = family_module(family).CONFIGS[family]
+    cls = registry.get(family).config
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -224,8 +199,8 @@ def load_head(path: str | Path, target: TargetIO, strict_fingerprint: bool = Tru
     folder = Path(path)
     cfg, meta = read_head_config(folder)
     check_target(meta["target"], target, str(folder), strict_fingerprint)
-    mod = family_module(cfg.family)
-    want_layers = list(mod.feature_layers(cfg, target.config))
+    family = registry.get(cfg.family)
+    want_layers = list(family.feature_layers(cfg, target.config))
     if list(meta.get("layer_ids", [])) != want_layers:
         raise HeadMismatchError(
             f"{folder}: layer_ids {meta.get('layer_ids')} do not match {want_layers} for this target"
@@ -245,7 +220,7 @@ def load_head(path: str | Path, target: TargetIO, strict_fingerprint: bool = Tru
     check_finite(state, str(weights))
     check_vocab_map(state, target.vocab_size, str(weights))
     try:
-        head = mod.build(cfg, target)
+        head = family.build(cfg, target)
     except ValueError as e:
         raise HeadMismatchError(f"{folder / 'config.json'}: head_config does not fit this target ({e})") from None
     own = head.state_dict()

@@ -28,9 +28,12 @@ from torch import nn
 
 from heads.align import shift_targets
 from heads.base import HeadConfig, check_eval_tree
+from heads.registry import Family
 from heads.sampling import draft_distribution
 from heads.tree import DEFAULT_CHOICES, StaticTree
 from heads.types import DraftTree, Features, TargetIO
+
+TREES = ("chain", "static")  # the eval.tree values drafter_factory maps besides "auto"
 
 
 @dataclass
@@ -42,9 +45,6 @@ class MedusaConfig(HeadConfig):
     init_from_lm_head: bool = True  # initialise each vocab projection from the target's lm_head
     distill: bool = False  # train against the target's distribution (KL) instead of its tokens (CE)
     tree: list[list[int]] | None = None  # static tree (Medusa choices); null = heads.tree.DEFAULT_CHOICES cut to num_heads
-
-
-CONFIGS = {"medusa": MedusaConfig}
 
 
 class MedusaHead(nn.Module):
@@ -199,6 +199,10 @@ def drafter(head: MedusaHead, target: TargetIO, tree: list[list[int]] | None = N
 def drafter_factory(head: MedusaHead, target: TargetIO, tree: str = "auto", k: int = 4) -> Callable[[], MedusaDrafter]:
     """Fresh drafters for eval.tree: auto or static (the head's configured tree), chain (the rank-0 path of
     depth `k`: choices [[0], [0, 0], ...]). Any other tree raises HeadError."""
-    check_eval_tree(tree, head.cfg.family, ("chain", "static"))
+    check_eval_tree(tree, head.cfg.family, TREES)
     kw: dict[str, Any] = {"tree": [[0] * d for d in range(1, k + 1)]} if tree == "chain" else {}
     return lambda: drafter(head, target, **kw)
+
+
+FAMILIES = (Family(name="medusa", config=MedusaConfig, feature_layers=feature_layers, build=build, loss=loss,
+                   drafter_factory=drafter_factory, trees=TREES, script="medusa", tiny="configs/tiny-medusa.yaml"),)

@@ -41,8 +41,11 @@ from transformers import DynamicCache
 from heads.align import shift_targets
 from heads.base import HeadConfig, check_eval_tree
 from heads.cache import additive_mask, cache_kwarg, cache_length, crop_to
+from heads.registry import Family
 from heads.sampling import draft_token
 from heads.types import DraftTree, Features, TargetIO
+
+TREES = ("chain",)  # the eval.tree values drafter_factory maps besides "auto": an MTP drafter drafts chains
 
 
 @dataclass
@@ -53,9 +56,6 @@ class MTPConfig(HeadConfig):
     num_steps: int = 3  # training steps unrolled when recursive (drafting may run more)
     step_weights: list[float] | None = None  # per-step loss weights; null = 0.8**(k-1) for step k = 1, 2, ...
     init_from_last_layer: bool = True  # initialise the block from the target's last decoder layer
-
-
-CONFIGS = {"mtp": MTPConfig}
 
 
 def train_steps(cfg: MTPConfig) -> int:
@@ -334,5 +334,9 @@ def drafter(
 def drafter_factory(head: MTPHead, target: TargetIO, tree: str = "auto", k: int = 4) -> Callable[[], MTPDrafter]:
     """Fresh drafters for eval.tree: auto or chain (an MTP drafter only drafts chains); `k` is unused (the
     depth comes with each draft call). Any other tree raises HeadError."""
-    check_eval_tree(tree, head.cfg.family, ("chain",))
+    check_eval_tree(tree, head.cfg.family, TREES)
     return lambda: drafter(head, target)
+
+
+FAMILIES = (Family(name="mtp", config=MTPConfig, feature_layers=feature_layers, build=build, loss=loss,
+                   drafter_factory=drafter_factory, trees=TREES, script="mtp", tiny="configs/tiny-mtp.yaml"),)

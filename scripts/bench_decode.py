@@ -227,12 +227,14 @@ def main(argv: list[str] | None = None) -> dict:
                 model, args.self_layers)}, min(args.calib_k, 4))
         base = "self_speculative" if not args.no_self else None
         if args.head:
-            from heads.base import family_module, load_head
+            from heads import registry
+            from heads.base import load_head
 
             head, cfg, _ = load_head(args.head, io)
-            family = family_module(cfg.family)
             base = f"head_{cfg.family}"
-            drafters[base] = ({str(args.head): lambda: family.drafter(head, io)}, min(args.calib_k, 6))
+            # eval.tree "auto": the family's default drafter (k only shapes a Medusa chain, unused here)
+            make = registry.get(cfg.family).drafter_factory(head, io, "auto", 4)
+            drafters[base] = ({str(args.head): make}, min(args.calib_k, 6))
         plans = {name: Plan(name, variants, ck, model, calib_prompts, verify, args, eos)
                  for name, (variants, ck) in tqdm(drafters.items(), desc="calibrating", leave=False)}
 

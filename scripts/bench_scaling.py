@@ -8,7 +8,7 @@
     python scripts/bench_scaling.py --procs 1,2 --head.ttt_length=2               # dotted overrides pass through
 
 For each process count P it runs one training job as a subprocess, one after the other: P=1 is a plain
-`python train/<entry>.py` (the entry matching head.family: eagle.py, medusa.py or mtp.py), P>1 is
+`python train/<entry>.py` (the family's own entry script in heads.registry, else train/__main__.py), P>1 is
 `python -m accelerate.commands.launch --config_file ACCEL --num_processes P --main_process_port 0 <entry>`.
 Weak scaling: every process keeps the same micro-batch (--batch-size, grad_accum 1, no global batch), so the
 work per process and per step is constant and ideal global tokens/s is P times the baseline's. Each run's
@@ -44,9 +44,9 @@ from typing import Any
 import yaml
 
 from data.cli import cli_main
+from heads import registry
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRIES = {"eagle1": "train/eagle.py", "eagle3": "train/eagle.py", "medusa": "train/medusa.py", "mtp": "train/mtp.py"}
 # Run-config keys the benchmark sets itself (weak scaling, timing hygiene), with the flag that controls each;
 # an override of one of them would silently change what is measured, so it is refused.
 CONTROLLED = {
@@ -90,10 +90,11 @@ def check_overrides(overrides: Sequence[str]) -> None:
 
 
 def entry_for(family: str) -> str:
-    """The train/ entry script for a head family."""
-    if family not in ENTRIES:
-        raise ValueError(f"no training entry for head family '{family}' (known: {', '.join(sorted(ENTRIES))})")
-    return ENTRIES[family]
+    """The train/ entry script for a head family: its own (`script` in heads.registry), else the generic one."""
+    if family not in registry.names():
+        raise ValueError(f"no training entry for head family '{family}' (known: {', '.join(registry.names())})")
+    script = registry.get(family).script
+    return f"train/{script}.py" if script else "train/__main__.py"
 
 
 def run_args(config: str, steps: int, batch_size: int, log_every: int, overrides: Sequence[str],

@@ -55,7 +55,8 @@ from data.kvcache import CACHE_KINDS, new_kv  # noqa: E402
 from data.target import target_io  # noqa: E402
 from eval.costs import measure_verify_cost  # noqa: E402
 from eval.decoder import plain_generate, speculative_generate  # noqa: E402
-from heads.base import DraftTree, family_module  # noqa: E402
+from heads import registry  # noqa: E402
+from heads.base import DraftTree  # noqa: E402
 
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -249,13 +250,13 @@ def train_flops(s: Settings, model: torch.nn.Module, head: torch.nn.Module, toke
 
 
 def section_head_train(s: Settings, model: torch.nn.Module, peak: float | None) -> dict[str, Any]:
-    eagle = family_module(s.head.family)
+    family = registry.get(s.head.family)
     io = target_io(model, "random-llama")
     with torch.device(s.device):  # built where it trains: fp32 master weights, bf16 autocast (mixed_precision)
-        head = eagle.build(s.head, io)
+        head = family.build(s.head, io)
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=1e-4, betas=(0.9, 0.95))
-    layers = eagle.feature_layers(s.head, io.config)
+    layers = family.feature_layers(s.head, io.config)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(int(s.shapes["vocab_size"]), (s.batch, s.seq_len), generator=g).to(s.device)
     ones = torch.ones_like(ids)
@@ -266,7 +267,7 @@ def section_head_train(s: Settings, model: torch.nn.Module, peak: float | None) 
         batch = {"input_ids": ids, "loss_mask": ones, "attention_mask": ones, "last": feats.last, "aux": feats.aux,
                  "target_argmax": greedy_ids(model, feats.last).long()}
         with autocast:
-            loss, _ = eagle.loss(head, batch, io)
+            loss, _ = family.loss(head, batch, io)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -292,7 +293,7 @@ def section_head_train(s: Settings, model: torch.nn.Module, peak: float | None) 
 
 
 def section_extract(s: Settings, model: torch.nn.Module) -> dict[str, Any]:
-    layers = family_module(s.head.family).feature_layers(s.head, model.config)
+    layers = registry.get(s.head.family).feature_layers(s.head, model.config)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(int(s.shapes["vocab_size"]), (s.extract_rows, s.seq_len), generator=g).to(s.device)
     mask = torch.ones_like(ids)

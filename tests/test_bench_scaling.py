@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from heads import registry
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -83,8 +85,11 @@ def test_arguments(bs) -> None:
         bs.check_overrides(["--train.global_batch_size=16"])
     with pytest.raises(ValueError, match="look like --key.sub=value"):
         bs.check_overrides(["--head.ttt_length", "2"])
-    assert [bs.entry_for(f) for f in ("eagle1", "eagle3", "medusa", "mtp")] == [
-        "train/eagle.py", "train/eagle.py", "train/medusa.py", "train/mtp.py"]
+    for family in registry.names():  # its own entry script, else the generic one; each exists
+        script = registry.get(family).script
+        assert bs.entry_for(family) == (f"train/{script}.py" if script else "train/__main__.py")
+        assert (ROOT / bs.entry_for(family)).is_file()
+    assert bs.entry_for("eagle3") == "train/eagle.py" and bs.entry_for("mtp") == "train/mtp.py"
     with pytest.raises(ValueError, match="no training entry"):
         bs.entry_for("hydra")
 

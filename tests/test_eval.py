@@ -17,7 +17,8 @@ from data.config import EvalConfig, TargetConfig
 from data.readers import DataError
 from eval.bench import load_questions
 from eval.report import PLOTS, markdown
-from heads.base import HeadError, HeadMismatchError, family_module, save_head
+from heads import registry
+from heads.base import HeadError, HeadMismatchError, save_head
 from heads.eagle import Eagle3Config
 
 
@@ -26,7 +27,7 @@ def _head(tmp_path, target, name):
     _, _, io = target
     cfg = Eagle3Config(draft_vocab_size=io.vocab_size, ttt_length=2)
     torch.manual_seed(0)
-    return save_head(tmp_path / name, family_module("eagle3").build(cfg, io), cfg, io)
+    return save_head(tmp_path / name, registry.get("eagle3").build(cfg, io), cfg, io)
 
 
 def _cfg(**kw):

@@ -1,21 +1,25 @@
-"""Structure rules of the library, checked on the source text alone (pure `ast`: nothing is imported; ~1 s).
+"""Structure rules of the library, checked on the source text (`ast`; only heads.registry is imported, for the
+family names and where they live; a few seconds, mostly importing torch).
 
     .venv/bin/python -m pytest -q tests/test_structure.py
 
 (a) Function length: no function or method in data/, heads/, convert/, train/ or eval/ is longer than
     MAX_LINES = 100 lines, counted from its `def` line to its last line (decorators not counted, docstring
     and blank lines counted). A nested function counts on its own and as part of its parent.
-(b) No head family in the loop or the eval: in train/loop.py and every eval/*.py (subfolders included),
-    outside docstrings and comments, there is
-      - no string constant equal to a family name (FAMILY_NAMES, compared stripped and case-insensitively),
-        as in `family == "medusa"` or `{"eagle3": ...}`; a longer text that mentions a family, such as an
-        error message saying "EAGLE-1", is allowed;
-      - no identifier containing a family name (case-insensitive substring): variable, function, class,
-        argument, keyword argument, attribute or import alias names, as in `medusa_tree` or `cfg.mtp_steps`;
-      - no import of a family module (FAMILY_MODULES and their submodules).
-    The loop and the eval reach a family only through the registry (heads.base.family_module), the family
-    module's own functions (`drafter_factory`, ...) and convert/ (`served_by_vllm`), so adding a family
-    touches neither.
+(b) No head family named outside its own modules: in every file of train/, eval/, data/ and convert/
+    (subfolders included), outside docstrings and comments, there is
+      - no string constant equal to a family name (heads.registry.names(), compared stripped and
+        case-insensitively), as in `family == "medusa"` or `{"eagle3": ...}`; a longer text that mentions
+        a family, such as an error message saying "EAGLE-1", is allowed;
+      - no identifier with a family name as one of its words (split at `_` and at lower-to-upper case
+        changes): variable, function, class, argument, keyword argument, attribute or import alias names,
+        as in `medusa_tree`, `cfg.mtp_steps` or `MedusaDrafter` (words, not substrings: a family named
+        `toy` does not make `destroy_process_group` an offence);
+      - no import of a family module (the heads package of each registered family, and every converter
+        module, convert/<name>.py declaring EXPORTS, with their submodules).
+    A family's own converter, convert/<family>.py, may name that family (only). Everything else reaches a
+    family through heads.registry (`registry.get(name).drafter_factory`, ...) and convert/ through its
+    registry (`served_by_vllm`), so adding a family touches none of these folders.
 (c) Layering: scripts -> train -> eval -> convert -> data -> heads. A module of one of these packages
     imports its own package or those to its right, never one to its left, whether at module level or
     inside a function. scripts/ is not a package and may import any of them.
@@ -29,16 +33,18 @@ an upward import) to show it can fail.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
+from heads import registry
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 100
 LAYERS = ("train", "eval", "convert", "data", "heads")  # left imports right, never the reverse
-FAMILY_NAMES = ("eagle1", "eagle3", "medusa", "mtp")
-FAMILY_MODULES = ("heads.eagle", "heads.medusa", "heads.mtp", "convert.eagle1", "convert.eagle3",
-                  "convert.medusa", "convert.mtp")
+FAMILY_NAMES = registry.names()
+NO_FAMILY = ("train", "eval", "data", "convert")  # rule (b): the packages that name no family
 # Known offences, each "long: FILE::FUNCTION" or "family: FILE::FUNCTION"; an entry that no longer offends
 # fails the test, so the list only shrinks. Empty since issue 17 merged.
 PENDING: set[str] = set()
@@ -113,14 +119,35 @@ def _imported(node: ast.AST, names: bool = False) -> list[str]:
     return []
 
 
-def _family_hits(node: ast.AST, docstrings: set[int]) -> list[str]:
+def _words(identifier: str) -> set[str]:
+    """Lower-cased words of an identifier (digits stay with the word before): `cfg_mtp_steps` -> cfg, mtp,
+    steps; `Eagle3Head` -> eagle3, head; `MTPConfig` -> mtp, config; `EAGLE1_X` -> eagle1, x."""
+    return {w.lower() for w in re.findall(r"[A-Z]+[0-9]*(?![a-z])|[A-Z]?[a-z0-9]+|[0-9]+", identifier)}
+
+
+def _declares(path: Path, name: str) -> bool:
+    """Whether the module assigns `name` at module level (a converter module assigns EXPORTS)."""
+    return any(isinstance(n, (ast.Assign, ast.AnnAssign)) and name in
+               {t.id for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+               for n in _parse(path).body)
+
+
+def family_modules(root: Path) -> set[str]:
+    """The heads package of every registered family (where its `build` lives) and every converter module."""
+    heads = {".".join(registry.get(n).build.__module__.split(".")[:2]) for n in FAMILY_NAMES}
+    return heads | {f"convert.{p.stem}" for p in sorted((root / "convert").glob("*.py")) if _declares(p, "EXPORTS")}
+
+
+def _family_hits(node: ast.AST, docstrings: set[int], own: set[str], modules: set[str]) -> list[str]:
+    """What in `node` names a family other than `own` (a converter's own family)."""
+    others = set(FAMILY_NAMES) - own
     hits = []
     if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
-            and node.value.strip().lower() in FAMILY_NAMES:
+            and node.value.strip().lower() in others:
         hits.append(f"string {node.value!r}")
-    hits += [f"identifier {n!r}" for n in _identifiers(node) if any(f in n.lower() for f in FAMILY_NAMES)]
+    hits += [f"identifier {n!r}" for n in _identifiers(node) if _words(n) & others]
     family_imports = [m for m in _imported(node, names=True)
-                      if any(m == fm or m.startswith(fm + ".") for fm in FAMILY_MODULES)]
+                      if any(m == fm or m.startswith(fm + ".") for fm in modules)]
     return hits + [f"import of {m}" for m in family_imports[:1]]
 
 
@@ -135,13 +162,15 @@ def _enclosing(tree: ast.Module) -> dict[int, str]:
 
 def family_names(root: Path) -> dict[str, list[str]]:
     """Rule (b): 'family: path::function' -> what names a family there."""
-    paths = [root / "train" / "loop.py"] + _sources(root, ("eval",))
+    modules = family_modules(root)
     found: dict[str, list[tuple[int, str]]] = {}
-    for path in (p for p in paths if p.is_file()):
+    for path in _sources(root, NO_FAMILY):
+        rel = path.relative_to(root)
+        own = {path.stem} & set(FAMILY_NAMES) if rel.parts[0] == "convert" and len(rel.parts) == 2 else set()
         tree = _parse(path)
         docstrings, owner = _docstrings(tree), _enclosing(tree)
         for node in ast.walk(tree):
-            for hit in _family_hits(node, docstrings):
+            for hit in _family_hits(node, docstrings, own, modules):
                 key = f"family: {path.relative_to(root).as_posix()}::{owner[id(node)]}"
                 found.setdefault(key, []).append((getattr(node, "lineno", 0), hit))
     return {k: [f"line {line}: {hit}" for line, hit in sorted(v)] for k, v in found.items()}
@@ -169,10 +198,11 @@ def test_no_function_longer_than_100_lines():
     _check(long_functions(ROOT))
 
 
-def test_loop_and_eval_name_no_head_family():
+def test_no_head_family_named_outside_its_own_modules():
     found = family_names(ROOT)
     new = {k: v for k, v in found.items() if k not in PENDING}
-    assert not new, "the loop / eval name a head family:\n" + "\n".join(f"{k}: {v}" for k, v in sorted(new.items()))
+    assert not new, "train / eval / data / convert name a head family:\n" + \
+        "\n".join(f"{k}: {v}" for k, v in sorted(new.items()))
 
 
 def test_no_import_runs_up_the_layers():
@@ -204,14 +234,21 @@ def planted(tmp_path: Path) -> Path:
     _plant(tmp_path, "train/loop.py", "def step(cfg):\n    return cfg.medusa_heads\n")
     _plant(tmp_path, "data/up.py", "def f():\n    from eval.run import evaluate\n\n    return evaluate\n")
     _plant(tmp_path, "convert/ok.py", "from data.config import load_config\nfrom heads.base import TargetIO\n")
+    # a converter may name its own family, not another; data/ names none; words, not substrings
+    _plant(tmp_path, "convert/medusa.py", 'EXPORTS = None\nMEDUSA = "medusa"\nOTHER = "mtp"\n')
+    _plant(tmp_path, "data/fam.py", "EAGLE1_X = 1\n\n\ndef destroy_mtpish(immtp):\n    return immtp\n")
     return tmp_path
 
 
 def test_planted_offences_are_found(planted: Path):
     assert long_functions(planted) == {"long: heads/long.py::too_long"}
     found = family_names(planted)
-    assert sorted(found) == ["family: eval/fam.py::<module>", "family: eval/fam.py::pick",
+    assert sorted(found) == ["family: convert/medusa.py::<module>", "family: data/fam.py::<module>",
+                             "family: eval/fam.py::<module>", "family: eval/fam.py::pick",
                              "family: train/loop.py::step"]
+    assert found["family: convert/medusa.py::<module>"] == ["line 3: string 'mtp'"]
+    assert found["family: data/fam.py::<module>"] == ["line 1: identifier 'EAGLE1_X'"]
+    assert "convert.medusa" in family_modules(planted) and "heads.eagle" in family_modules(planted)
     # the docstring "eagle1" and the message mentioning EAGLE-1 are allowed
     assert found["family: eval/fam.py::pick"] == ["line 7: string 'EAGLE3'", "line 10: identifier 'mtp_steps'",
                                                   "line 11: identifier 'mtp_steps'"]

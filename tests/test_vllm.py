@@ -111,13 +111,14 @@ def test_eval_engine_vllm_writes_the_served_section(tmp_path):
 
     from data.config import TargetConfig
     from data.target import load_target
-    from heads.base import family_module, save_head
+    from heads import registry
+    from heads.base import save_head
     from heads.eagle import Eagle3Config
 
     _, _, io = load_target(TargetConfig(name_or_path="smollm2-135m", device="cpu"))
     torch.manual_seed(0)
     cfg = Eagle3Config(draft_vocab_size=512, ttt_length=1)
-    head = save_head(tmp_path / "head", family_module("eagle3").build(cfg, io), cfg, io)
+    head = save_head(tmp_path / "head", registry.get("eagle3").build(cfg, io), cfg, io)
     r = _run([sys.executable, "-m", "eval.run", "--head", str(head), "--bench", "gsm8k", "--max-questions", "2",
               "--max-new-tokens", "24", "--k", "2", "--temperature", "0,1", "--batch-sizes", "1",
               "--sweep-new-tokens", "4", "--baselines", "", "--engine", "vllm", "--out", str(tmp_path / "ev")],

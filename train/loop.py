@@ -1,15 +1,16 @@
 """The one training loop for every head family, run by accelerate.
 
-    python train/eagle.py --config configs/tiny-eagle.yaml --out runs/tiny
+    python -m train --config configs/tiny-eagle.yaml --out runs/tiny      # any family (train/__main__.py)
+    python train/eagle.py --config configs/tiny-eagle.yaml --out runs/tiny  # the same, refusing non-EAGLE configs
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 train/eagle.py --config C --out D
     accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml train/eagle.py --config C --out D
     python train/eagle.py --config C --out D --resume auto        # continue from D's latest checkpoint
 
-Entry scripts call `main(argv, family=...)`. The loop knows a family only through its module in the
-registry (heads.base.family_module): `feature_layers`, `build`, `loss`, and, when the module has it,
-`prepare(head_cfg, train_dataset, target) -> {name: tensor}` (initial values for data-derived head
-tensors, e.g. a draft vocabulary mapping), loaded into the freshly built head, and
-`uses_target_argmax(head_cfg)` (batches then carry the target's argmax; online features compute it only then).
+Entry scripts call `main(argv, family=...)` (the family names they accept; none: any). The loop knows a
+family only through its `heads.registry.Family`: `feature_layers`, `build`, `loss`, and, when the family has
+one, `prepare(head_cfg, train_dataset, target) -> {name: tensor}` (initial values for data-derived head
+tensors, e.g. a draft vocabulary mapping), loaded into the freshly built head; `reads(head_cfg)` says
+whether batches carry the target's argmax (online features compute it only then).
 
 The algorithm (`train`): prepare, then for each optimizer step: step, log, maybe evaluate, maybe save.
 - prepare: the Accelerator (train/launch.py; `accelerate.utils.set_seed(seed)` once before anything
@@ -65,7 +66,9 @@ from data.featureset import FeatureSet, open_featureset
 from data.target import load_config_only, text_config
 from data.tokenize import build_datasets
 from eval.run import evaluate
-from heads.base import HeadMismatchError, TargetIO, check_finite, family_module, save_head
+from heads import registry
+from heads.base import HeadMismatchError, TargetIO, check_finite, save_head
+from heads.registry import TARGET_ARGMAX, Family
 from train.batches import Plan, holdout_loader, make_plan, train_loader
 from train.checkpoint import Resume, open_resume, restore, write_checkpoint
 from train.errors import TrainError
@@ -96,7 +99,7 @@ class Run:
 
     cfg: RunConfig
     accelerator: Accelerator
-    family: Any  # the head family's module (heads.base.family_module)
+    family: Family
     frozen: FrozenTarget
     splits: tuple[datasets.Dataset, datasets.Dataset]  # train, held-out (tokenized)
     train_fs: FeatureSet
@@ -240,7 +243,7 @@ def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run
     out = Path(cfg.out)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-    family = family_module(cfg.head.family)
+    family = registry.get(cfg.head.family)
     frozen = load_frozen_target(cfg, accelerator, online=cfg.features.mode == "online")
     checkpoint.check_target(frozen.io)  # the same weights as the run that wrote the checkpoint
     if accelerator.is_main_process:
@@ -249,7 +252,7 @@ def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run
         train_ds, hold_ds = build_datasets(cfg, frozen.tokenizer)
     layer_ids = list(family.feature_layers(cfg.head, frozen.io.config))
     pad_id = frozen.tokenizer.pad_token_id if frozen.tokenizer.pad_token_id is not None else 0
-    argmax = bool(getattr(family, "uses_target_argmax", lambda _: False)(cfg.head))
+    argmax = TARGET_ARGMAX in family.reads(cfg.head)
     train_fs = open_featureset(cfg, train_ds, frozen.model, layer_ids, "train", pad_id, target=frozen.io,
                                with_argmax=argmax)
     hold_fs = open_featureset(cfg, hold_ds, frozen.model, layer_ids, "holdout", pad_id, target=frozen.io,
@@ -269,10 +272,10 @@ def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run
                scheduler, checkpoint, start, MetricsLog(cfg, out, accelerator.is_main_process))
 
 
-def build_head(cfg: RunConfig, family: Any, train_ds: datasets.Dataset, target: TargetIO) -> nn.Module:
+def build_head(cfg: RunConfig, family: Family, train_ds: datasets.Dataset, target: TargetIO) -> nn.Module:
     """A fresh head of cfg.head, with the family's data-derived initial tensors (its `prepare`) loaded."""
     try:
-        init = family.prepare(cfg.head, train_ds, target) if hasattr(family, "prepare") else {}
+        init = family.prepare(cfg.head, train_ds, target) if family.prepare is not None else {}
         head = family.build(cfg.head, target)
     except HeadMismatchError:
         raise

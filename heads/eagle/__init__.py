@@ -36,21 +36,20 @@ first), sorted by id; `d2t[i] = id_i - i`, `t2d[id] = True` for chosen ids (vLLM
 Drafting (`drafter`, `drafter_factory`): chains, or EAGLE-2 dynamic trees (`tree="dynamic"`, `top_k`,
 `total_tokens`), with the head's own KV cache rolled back to the accepted path on every commit.
 
-The package, one job per module (this file only re-exports their public names, so `from heads.eagle import X`
-and `heads.base.family_module("eagle3").X` reach all of them):
-    config.py   Eagle1Config, Eagle3Config, CONFIGS, feature_layers, default_layer_ids, resolved_draft_vocab
+The package, one job per module (this file re-exports their public names, so `from heads.eagle import X`
+reaches all of them, and declares the two families, `FAMILIES`, for heads.registry):
+    config.py   Eagle1Config, Eagle3Config, feature_layers, default_layer_ids, resolved_draft_vocab
     model.py    the re-implemented Llama layer (RMSNorm, Attention, MLP, DecoderLayer), ttt_attention,
                 masked_attention, rotary, Eagle1Head, Eagle3Head, build
     vocab.py    the draft vocabulary (draft_vocab_from_counts, token_counts) and prepare
-    losses.py   loss (EAGLE-1 and EAGLE-3 TTT), step_alignment, uses_target_argmax
-    drafting.py EagleDrafter (chain / EAGLE-2 dynamic tree of Candidate nodes), drafter, drafter_factory
+    losses.py   loss (EAGLE-1 and EAGLE-3 TTT), step_alignment
+    drafting.py EagleDrafter (chain / EAGLE-2 dynamic tree of Candidate nodes), drafter, drafter_factory, TREES
 
 Run the unit tests with `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_alignment.py`.
 """
 
 from heads.align import shift_left
 from heads.eagle.config import (
-    CONFIGS,
     DEFAULT_DRAFT_VOCAB,
     Eagle1Config,
     Eagle3Config,
@@ -58,8 +57,8 @@ from heads.eagle.config import (
     feature_layers,
     resolved_draft_vocab,
 )
-from heads.eagle.drafting import Candidate, CandidatePool, EagleDrafter, drafter, drafter_factory
-from heads.eagle.losses import loss, step_alignment, uses_target_argmax
+from heads.eagle.drafting import TREES, Candidate, CandidatePool, EagleDrafter, drafter, drafter_factory
+from heads.eagle.losses import loss, step_alignment
 from heads.eagle.model import (
     MLP,
     Attention,
@@ -73,11 +72,22 @@ from heads.eagle.model import (
     ttt_attention,
 )
 from heads.eagle.vocab import draft_vocab_from_counts, prepare, token_counts
+from heads.registry import TARGET_ARGMAX, Family
+
+# EAGLE-1 and EAGLE-3 share every function (each dispatches on the config or head class); only EAGLE-3's
+# loss reads the target's argmax (EAGLE-1 uses the full logits of the next feature).
+_SHARED = dict(feature_layers=feature_layers, build=build, loss=loss, drafter_factory=drafter_factory,
+               trees=TREES, prepare=prepare, script="eagle")
+FAMILIES = (
+    Family(name="eagle1", config=Eagle1Config, tiny="configs/tiny-eagle1.yaml", **_SHARED),
+    Family(name="eagle3", config=Eagle3Config, tiny="configs/tiny-eagle.yaml",
+           reads=lambda cfg: frozenset({TARGET_ARGMAX}), **_SHARED),
+)
 
 __all__ = [
-    "CONFIGS", "DEFAULT_DRAFT_VOCAB", "MLP", "Attention", "Candidate", "CandidatePool", "DecoderLayer",
+    "DEFAULT_DRAFT_VOCAB", "FAMILIES", "MLP", "TREES", "Attention", "Candidate", "CandidatePool", "DecoderLayer",
     "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "EagleDrafter", "RMSNorm", "build",
     "default_layer_ids", "draft_vocab_from_counts", "drafter", "drafter_factory", "feature_layers", "loss",
     "masked_attention", "prepare", "resolved_draft_vocab", "rotary", "shift_left", "step_alignment",
-    "token_counts", "ttt_attention", "uses_target_argmax",
+    "token_counts", "ttt_attention",
 ]

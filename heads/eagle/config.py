@@ -35,9 +35,6 @@ class Eagle3Config(HeadConfig):
     intermediate_size: int | None = None  # draft MLP width; null = the target's
 
 
-CONFIGS = {"eagle1": Eagle1Config, "eagle3": Eagle3Config}
-
-
 def default_layer_ids(num_layers: int) -> list[int]:
     """[2, L//2, L-3] (decoder layers 1, L/2-1, L-4 as outputs); [1, L//2, L-1] where those collide (L < 7)."""
     for ids in ([2, num_layers // 2, num_layers - 3], [1, num_layers // 2, num_layers - 1]):

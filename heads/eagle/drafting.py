@@ -26,6 +26,8 @@ from heads.eagle.model import masked_attention, rotary
 from heads.sampling import draft_distribution, draft_token
 from heads.types import DraftTree, Features, TargetIO
 
+TREES = ("chain", "dynamic")  # the eval.tree values drafter_factory maps besides "auto"
+
 
 @dataclass
 class Candidate:
@@ -245,6 +247,6 @@ def drafter(head: nn.Module, target: TargetIO, **kw: Any) -> EagleDrafter:
 def drafter_factory(head: nn.Module, target: TargetIO, tree: str = "auto", k: int = 4) -> Callable[[], EagleDrafter]:
     """Fresh drafters for eval.tree: auto (the default chain), chain or dynamic (EAGLE-2); `k` is unused
     (the depth comes with each draft call). Any other tree raises HeadError naming the head's family."""
-    check_eval_tree(tree, head.family, ("chain", "dynamic"))
+    check_eval_tree(tree, head.family, TREES)
     kw: dict[str, Any] = {} if tree == "auto" else {"tree": tree}
     return lambda: drafter(head, target, **kw)

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.align import shift_left
-from heads.base import HeadConfig
 from heads.eagle.model import Eagle1Head, Eagle3Head, rotary, ttt_attention
 from heads.types import Features, TargetIO
 
@@ -34,11 +33,6 @@ def step_alignment(input_ids: torch.Tensor, loss_mask: torch.Tensor, step: int) 
 
 def _positions(b: int, t: int, offset: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(t, device=device) + offset).expand(b, t)
-
-
-def uses_target_argmax(cfg: HeadConfig) -> bool:
-    """Whether this family's loss reads batch["target_argmax"] (EAGLE-3 does; EAGLE-1 uses full logits)."""
-    return cfg.family == "eagle3"
 
 
 def loss(head: nn.Module, batch: dict, target: TargetIO) -> tuple[torch.Tensor, dict[str, float]]:
