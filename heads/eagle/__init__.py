@@ -26,7 +26,8 @@ EAGLE-3 (`Eagle3Head`, parameters named like SGLang's layout: `fc`, `midlayer.*`
     mask: loss_mask[t+2+s] (the project convention: predicting token j uses loss_mask[j]; SpecForge's
     `loss_mask[t+s]` is the same rule under its own, shifted, mask) times t2d[the target's argmax there]
     (batch["target_argmax"], stored at extraction, so training computes only the draft vocab's logits),
-    loss_s = -sum(mask * sum_v p log q) / (B*T);  loss = sum_s ttt_decay**s * loss_s.
+    loss_s = -sum(mask * sum_v p log q) / (B*T);  loss = sum_s ttt_decay**s * loss_s
+    (head.loss: forward_kl, the default, is this; tv and kl_tv replace -sum_v p log q, see `token_loss`).
   Metrics: `top1/s` = share of loss-masked positions (target argmax outside the draft vocab counted as
   misses) where the draft's argmax equals the target's argmax at step s; `n/s` their count.
 
@@ -42,7 +43,7 @@ and `heads.base.family_module("eagle3").X` reach all of them):
     model.py    the re-implemented Llama layer (RMSNorm, Attention, MLP, DecoderLayer), ttt_attention,
                 masked_attention, rotary, Eagle1Head, Eagle3Head, build
     vocab.py    the draft vocabulary (draft_vocab_from_counts, token_counts) and prepare
-    losses.py   loss (EAGLE-1 and EAGLE-3 TTT), step_alignment, uses_target_argmax
+    losses.py   loss (EAGLE-1 and EAGLE-3 TTT), token_loss, step_alignment, uses_target_argmax
     drafting.py EagleDrafter (chain / EAGLE-2 dynamic tree of Candidate nodes), drafter, drafter_factory
 
 Run the unit tests with `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_alignment.py`.
@@ -59,7 +60,7 @@ from heads.eagle.config import (
     resolved_draft_vocab,
 )
 from heads.eagle.drafting import Candidate, CandidatePool, EagleDrafter, drafter, drafter_factory
-from heads.eagle.losses import loss, step_alignment, uses_target_argmax
+from heads.eagle.losses import loss, step_alignment, token_loss, uses_target_argmax
 from heads.eagle.model import (
     MLP,
     Attention,
@@ -79,5 +80,5 @@ __all__ = [
     "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "EagleDrafter", "RMSNorm", "build",
     "default_layer_ids", "draft_vocab_from_counts", "drafter", "drafter_factory", "feature_layers", "loss",
     "masked_attention", "prepare", "resolved_draft_vocab", "rotary", "shift_left", "step_alignment",
-    "token_counts", "ttt_attention", "uses_target_argmax",
+    "token_counts", "token_loss", "ttt_attention", "uses_target_argmax",
 ]

@@ -10,7 +10,7 @@ Tests: `.venv/bin/python -m pytest -q tests/test_eagle.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from heads.base import HeadConfig
 
@@ -33,6 +33,10 @@ class Eagle3Config(HeadConfig):
     ttt_length: int = 7  # training-time-test unroll steps
     ttt_decay: float = 0.8  # step s weighted decay**s
     intermediate_size: int | None = None  # draft MLP width; null = the target's
+    # per-step token loss against the target's draft-vocab distribution (heads/eagle/losses.py, `token_loss`):
+    # forward_kl (soft cross-entropy), tv (total variation, the acceptance-rate objective), kl_tv (a mix)
+    loss: Literal["forward_kl", "tv", "kl_tv"] = "forward_kl"
+    loss_tv_weight: float = 0.5  # kl_tv only: (1 - w) * forward_kl + w * tv, w in [0, 1]
 
 
 CONFIGS = {"eagle1": Eagle1Config, "eagle3": Eagle3Config}

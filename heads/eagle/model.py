@@ -210,6 +210,7 @@ class Eagle3Head(_EagleHead):
         draft_vocab = resolved_draft_vocab(cfg, vocab)
         self.layer_ids = list(layer_ids)
         self.ttt_length, self.ttt_decay = cfg.ttt_length, cfg.ttt_decay
+        self.loss_kind, self.loss_tv_weight = cfg.loss, cfg.loss_tv_weight
         self.fc = nn.Linear(len(layer_ids) * h, h, bias=False)
         self.midlayer = DecoderLayer(config, int(cfg.intermediate_size or config.intermediate_size), eagle3=True)
         self.norm = RMSNorm(h, float(getattr(config, "rms_norm_eps", 1e-6)))
@@ -267,6 +268,8 @@ def build(cfg: HeadConfig, target: TargetIO) -> nn.Module:
     elif cfg.family == "eagle3":
         if cfg.ttt_length < 1:
             raise ValueError(f"head.ttt_length {cfg.ttt_length}: must be >= 1")
+        if not 0.0 <= cfg.loss_tv_weight <= 1.0:
+            raise ValueError(f"head.loss_tv_weight {cfg.loss_tv_weight}: must be in [0, 1]")
         head = Eagle3Head(cfg, target.config, feature_layers(cfg, target.config))
     else:
         raise ValueError(f"heads.eagle cannot build family '{cfg.family}'")
