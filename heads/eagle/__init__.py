@@ -17,6 +17,7 @@ EAGLE-3 (`Eagle3Head`, parameters named like SGLang's layout: `fc`, `midlayer.*`
 `d2t`, `t2d`):
     g = fc(A_t)   A_t = cat(hidden_states[i] for the layer ids), ascending; no bias; step 0 only
     u = cat(input_layernorm(emb(x)), hidden_norm(g));   y = g + o_proj(attn(u));   o = y + mlp(post_ln(y))
+    (norm_before_residual: y = hidden_norm(g) + o_proj(attn(u)), speculators' / vLLM's option of that name)
     logits_draft = lm_head(norm(o)) over the draft vocab; target_id = draft_id + d2t[draft_id]
     next step's hidden = o (PRE-norm)
   Training-time test, step s at index t (s = 0 .. ttt_length-1), see `step_alignment` for a worked example:

@@ -37,6 +37,8 @@ class Eagle3Config(HeadConfig):
     # forward_kl (soft cross-entropy), tv (total variation, the acceptance-rate objective), kl_tv (a mix)
     loss: Literal["forward_kl", "tv", "kl_tv"] = "forward_kl"
     loss_tv_weight: float = 0.5  # kl_tv only: (1 - w) * forward_kl + w * tv, w in [0, 1]
+    # EAGLE-3.1 / speculators `norm_before_residual`: the layer's residual is hidden_norm(hidden), not hidden
+    norm_before_residual: bool = False
 
 
 CONFIGS = {"eagle1": Eagle1Config, "eagle3": Eagle3Config}

@@ -211,6 +211,7 @@ class Eagle3Head(_EagleHead):
         self.layer_ids = list(layer_ids)
         self.ttt_length, self.ttt_decay = cfg.ttt_length, cfg.ttt_decay
         self.loss_kind, self.loss_tv_weight = cfg.loss, cfg.loss_tv_weight
+        self.norm_before_residual = cfg.norm_before_residual
         self.fc = nn.Linear(len(layer_ids) * h, h, bias=False)
         self.midlayer = DecoderLayer(config, int(cfg.intermediate_size or config.intermediate_size), eagle3=True)
         self.norm = RMSNorm(h, float(getattr(config, "rms_norm_eps", 1e-6)))
@@ -232,9 +233,12 @@ class Eagle3Head(_EagleHead):
 
     def rows(self, emb, hidden, cos, sin):
         m = self.midlayer
-        u = torch.cat([m.input_layernorm(emb.to(hidden.dtype)), m.hidden_norm(hidden)], dim=-1)
+        normed = m.hidden_norm(hidden)
+        u = torch.cat([m.input_layernorm(emb.to(hidden.dtype)), normed], dim=-1)
         q, k, v = m.self_attn.qkv(u, cos, sin)
-        return q, k, v, hidden
+        # norm_before_residual: the residual is the normalised state too, so neither the fused features nor
+        # the fed-back PRE-norm output carries its scale into the next step (training and drafting both use rows)
+        return q, k, v, normed if self.norm_before_residual else hidden
 
     def logits(self, o: torch.Tensor, target: TargetIO) -> torch.Tensor:
         return self.lm_head(self.norm(o))
