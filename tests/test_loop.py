@@ -17,6 +17,7 @@ import train.loop as train_loop
 from data.config import load_config
 from heads.base import load_head
 from train.batches import Plan, make_plan, train_loader
+from train.errors import TrainError
 from train.loop import main, train
 from train.metrics import MetricSum, simulated_tau
 from train.schedule import lr_factor
@@ -119,6 +120,29 @@ def test_keep_best_keeps_the_peak_step_and_a_resume_keeps_it(tmp_path, cache_dir
         assert any(not torch.equal(a, b) for a, b in zip(best.state_dict().values(), last.state_dict().values()))
     a_best, b_best = (load_head(tmp_path / r / "head_best", io)[0].state_dict() for r in ("a", "b"))
     assert all(torch.equal(a_best[k], b_best[k]) for k in a_best)
+
+
+def test_a_checkpoint_from_before_a_new_config_key_resumes(tmp_path, cache_dir):
+    """Keys added to the schema later (here head.loss, head.norm_before_residual, train.keep_best) are absent
+    from an older checkpoint's config: at their defaults they are no change, so the resume goes on; a new key
+    set away from its default is a change (head.* is fixed on resume and refused by name)."""
+
+    def preempt(step: int) -> None:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = _cfg("configs/tiny-eagle.yaml", tmp_path / "r", cache_dir)
+    train(cfg, on_step=preempt)
+    path = tmp_path / "r" / "checkpoints" / "step-00000003" / "progress.json"
+    progress = json.loads(path.read_text())
+    for section, key in (("head", "loss"), ("head", "norm_before_residual"), ("train", "keep_best")):
+        del progress["config"][section][key]
+    path.write_text(json.dumps(progress))
+    tv = _cfg("configs/tiny-eagle.yaml", tmp_path / "r", cache_dir, **{"head.loss": "tv"})
+    with pytest.raises(TrainError, match="cannot change head.loss"):
+        train(tv, resume="auto")
+    assert train(cfg, resume="auto")["step"] == 6
+    assert _rows(tmp_path / "r", "resume")[-1]["changed"] == {}
 
 
 def test_plan_gives_one_and_two_processes_the_same_global_batches():
