@@ -120,6 +120,10 @@ def test_keep_best_keeps_the_peak_step_and_a_resume_keeps_it(tmp_path, cache_dir
         assert any(not torch.equal(a, b) for a, b in zip(best.state_dict().values(), last.state_dict().values()))
     a_best, b_best = (load_head(tmp_path / r / "head_best", io)[0].state_dict() for r in ("a", "b"))
     assert all(torch.equal(a_best[k], b_best[k]) for k in a_best)
+    none_held_out = _cfg("configs/tiny-eagle.yaml", tmp_path / "c", cache_dir,
+                         **{"train.keep_best": "true", "data.holdout_fraction": 0})
+    with pytest.raises(TrainError, match="train.keep_best: no held-out conversations"):
+        train(none_held_out)
 
 
 def test_a_checkpoint_from_before_a_new_config_key_resumes(tmp_path, cache_dir):

@@ -271,6 +271,9 @@ def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run
                                with_argmax=argmax)
     hold_fs = open_featureset(cfg, hold_ds, frozen.model, layer_ids, "holdout", pad_id, target=frozen.io,
                               with_argmax=argmax) if len(hold_ds) else None
+    if cfg.train.keep_best and hold_fs is None:
+        raise TrainError("train.keep_best: no held-out conversations to pick the best head by "
+                         "(raise data.holdout_fraction)")
     plan = make_plan(cfg, train_fs.lengths, accelerator.num_processes)
     head = build_head(cfg, family, train_ds, frozen.io)
     adamw = torch.optim.AdamW(head.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
@@ -282,9 +285,6 @@ def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run
     scheduler = make_scheduler(adamw, cfg, plan.total_steps, start)
     if checkpoint.ckpt is not None and accelerator.is_main_process:
         print(f"resumed from {checkpoint.ckpt} at step {start}")
-    if cfg.train.keep_best and hold_fs is None:
-        raise TrainError("train.keep_best: no held-out conversations to pick the best head by "
-                         "(raise data.holdout_fraction)")
     best = checkpoint.progress.get("best") if cfg.train.keep_best else None
     return Run(cfg, accelerator, family, frozen, (train_ds, hold_ds), train_fs, hold_fs, plan, model, optimizer,
                scheduler, checkpoint, start, MetricsLog(cfg, out, accelerator.is_main_process), best)
