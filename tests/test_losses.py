@@ -1,4 +1,4 @@
-"""EAGLE-3 token losses (head.loss): forward_kl, tv, kl_tv pinned against direct computations, masks, gradients,
+"""EAGLE token losses (head.loss): forward_kl, tv, kl_tv pinned against direct computations, masks, gradients,
 and the config's refusals.
 
     .venv/bin/python -m pytest -q tests/test_losses.py
@@ -95,22 +95,32 @@ def test_tv_weight_out_of_range_is_refused(tiny_target):
     _, _, io = tiny_target
     with pytest.raises(ValueError, match="head.loss_tv_weight 1.5"):
         eagle.build(eagle.Eagle3Config(layer_ids=[1, 2, 3], loss="kl_tv", loss_tv_weight=1.5), io)
+    with pytest.raises(ValueError, match="head.loss_tv_weight -0.1"):
+        eagle.build(eagle.Eagle1Config(loss="kl_tv", loss_tv_weight=-0.1), io)
 
 
-@pytest.mark.parametrize("kind", ["tv", "kl_tv"])
-def test_head_loss_uses_the_configured_kind(tiny_target, kind):
-    """The head's TTT loss is token_loss of its kind: at kl_tv weight 0 it is forward_kl, at 1 it is tv."""
-    model, _, io = tiny_target
+def _head_losses(io, model, family: str, settings) -> list[float]:
+    """The head's training loss (EAGLE-3: TTT over 2 steps; EAGLE-1: feature + token) per (loss, weight)."""
     ids = torch.randint(0, io.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
-    got = {}
-    for name, w in (("forward_kl", 0.5), (kind, 0.0), (kind, 1.0), ("tv", 0.5)):
+    got = []
+    for name, w in settings:
         torch.manual_seed(0)
-        cfg = eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=io.vocab_size, ttt_length=2,
-                                 loss=name, loss_tv_weight=w)
-        head = eagle.build(cfg, io)
+        if family == "eagle3":
+            cfg = eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=io.vocab_size, ttt_length=2,
+                                     loss=name, loss_tv_weight=w)
+        else:  # the feature term off, so the loss is the token term alone
+            cfg = eagle.Eagle1Config(feature_loss_weight=0.0, token_loss_weight=1.0, loss=name, loss_tv_weight=w)
+        head = eagle.build(cfg, io).eval()
         with torch.no_grad():
-            got[(name, w)] = float(eagle.loss(head, _batch(model, head, ids), io)[0])
-    if kind == "kl_tv":
-        assert got[("kl_tv", 0.0)] == pytest.approx(got[("forward_kl", 0.5)], rel=1e-6)
-        assert got[("kl_tv", 1.0)] == pytest.approx(got[("tv", 0.5)], rel=1e-6)
-    assert 0 < got[("tv", 0.5)] < 2  # sum_s 0.8**s * mean TV, each TV in [0, 1]
+            got.append(float(eagle.loss(head, _batch(model, head, ids), io)[0]))
+    return got
+
+
+@pytest.mark.parametrize("family", ["eagle3", "eagle1"])
+def test_head_loss_uses_the_configured_kind(tiny_target, family):
+    """A head's loss is token_loss of its kind: at kl_tv weight 0 it is forward_kl, at 1 it is tv."""
+    model, _, io = tiny_target
+    kl, tv, mix0, mix1 = _head_losses(io, model, family, [("forward_kl", 0.5), ("tv", 0.5), ("kl_tv", 0.0),
+                                                          ("kl_tv", 1.0)])
+    assert mix0 == pytest.approx(kl, rel=1e-6) and mix1 == pytest.approx(tv, rel=1e-6)
+    assert tv != pytest.approx(kl) and 0 < tv < 2  # EAGLE-3: sum_s 0.8**s * mean TV; each TV in [0, 1]

@@ -11,7 +11,8 @@ EAGLE-1 (`Eagle1Head`, parameters `fc`, `layers.0.*`):
     y = h + o_proj(attn(h));  o = y + mlp(post_attention_layernorm(y))      (no input_layernorm, no final norm)
     o predicts f_{t+1}; logits = target.lm_head(o) predict x_{t+2}
     loss = 1.0 * SmoothL1(o, f_{t+1}) + 0.1 * CE(softmax(target.lm_head(f_{t+1})), log_softmax(target.lm_head(o)))
-    with U(-noise/2, noise/2) added to f_t during training (the EAGLE paper's U(-0.1, 0.1) at noise 0.2).
+    with U(-noise/2, noise/2) added to f_t during training (the EAGLE paper's U(-0.1, 0.1) at noise 0.2);
+    head.loss (forward_kl, the default, is this CE; tv, kl_tv, see `token_loss`) picks the token term.
 
 EAGLE-3 (`Eagle3Head`, parameters named like SGLang's layout: `fc`, `midlayer.*`, `norm`, `lm_head`, buffers
 `d2t`, `t2d`):
@@ -40,7 +41,7 @@ Drafting (`drafter`, `drafter_factory`): chains, or EAGLE-2 dynamic trees (`tree
 
 The package, one job per module (this file only re-exports their public names, so `from heads.eagle import X`
 and `heads.base.family_module("eagle3").X` reach all of them):
-    config.py   Eagle1Config, Eagle3Config, CONFIGS, feature_layers, default_layer_ids, resolved_draft_vocab
+    config.py   Eagle1Config, Eagle3Config, TokenLossConfig, CONFIGS, feature_layers, default_layer_ids, resolved_draft_vocab
     model.py    the re-implemented Llama layer (RMSNorm, Attention, MLP, DecoderLayer), ttt_attention,
                 masked_attention, rotary, Eagle1Head, Eagle3Head, build
     vocab.py    the draft vocabulary (draft_vocab_from_counts, token_counts) and prepare
@@ -56,6 +57,7 @@ from heads.eagle.config import (
     DEFAULT_DRAFT_VOCAB,
     Eagle1Config,
     Eagle3Config,
+    TokenLossConfig,
     default_layer_ids,
     feature_layers,
     resolved_draft_vocab,
@@ -78,7 +80,7 @@ from heads.eagle.vocab import draft_vocab_from_counts, prepare, token_counts
 
 __all__ = [
     "CONFIGS", "DEFAULT_DRAFT_VOCAB", "MLP", "Attention", "Candidate", "CandidatePool", "DecoderLayer",
-    "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "EagleDrafter", "RMSNorm", "build",
+    "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "EagleDrafter", "RMSNorm", "TokenLossConfig", "build",
     "default_layer_ids", "draft_vocab_from_counts", "drafter", "drafter_factory", "feature_layers", "loss",
     "masked_attention", "prepare", "resolved_draft_vocab", "rotary", "shift_left", "step_alignment",
     "token_counts", "token_loss", "ttt_attention", "uses_target_argmax",

@@ -70,11 +70,12 @@ def _forward_kl(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor, denom
 
 def token_loss(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor, denom: float, kind: str = "forward_kl",
                tv_weight: float = 0.5) -> torch.Tensor:
-    """One TTT step's token loss: sum over positions of mask * L(p, q), divided by `denom` (B*T for EAGLE-3).
+    """A token loss: sum over positions of mask * L(p, q), divided by `denom` (EAGLE-3: B*T per TTT step;
+    EAGLE-1: the masked count).
 
-    logits [..., V] are the head's over the draft vocab, q = softmax(logits); p [..., V] is the target's
-    distribution restricted to the draft vocab and renormalised there (softmax of the target's logits at the
-    draft ids), so both are distributions over the same V ids. `kind` (head.loss):
+    logits [..., V] are the head's, q = softmax(logits); p [..., V] is the target's distribution over the same
+    V ids: for EAGLE-3 restricted to the draft vocab and renormalised there (softmax of the target's logits at
+    the draft ids), for EAGLE-1 the full vocab. `kind` (head.loss):
         forward_kl   L = -sum_v p_v log q_v     (soft cross-entropy: KL(p || q) up to p's entropy; the default)
         tv           L = 0.5 * sum_v |p_v - q_v|  (= 1 - sum_v min(p_v, q_v) = 1 - the acceptance rate of q
                      under p at temperature 1: the total-variation objective of the LK losses)
@@ -150,7 +151,7 @@ def _loss_eagle1(head: Eagle1Head, batch: dict, target: TargetIO) -> tuple[torch
     denom = mask.sum() + 1e-5
     feat = (F.smooth_l1_loss(o.float(), f_next.float(), reduction="none").mean(-1) * mask).sum() / denom
     logits = head.logits(o, target).float()
-    ce = -(mask * (p * logits.log_softmax(-1)).sum(-1)).sum() / denom
+    ce = token_loss(logits, p, mask, denom, head.loss_kind, head.loss_tv_weight)  # over the full vocab here
     total = head.feature_loss_weight * feat + head.token_loss_weight * ce
     n = float(mask.sum())
     hit = (logits.argmax(-1) == t_arg).float() * mask

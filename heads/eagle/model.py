@@ -181,6 +181,7 @@ class Eagle1Head(_EagleHead):
         self.layer_ids = []
         self.noise = cfg.noise
         self.feature_loss_weight, self.token_loss_weight = cfg.feature_loss_weight, cfg.token_loss_weight
+        self.loss_kind, self.loss_tv_weight = cfg.loss, cfg.loss_tv_weight
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(config, int(config.intermediate_size), eagle3=False)])
 
@@ -267,15 +268,15 @@ def _init(module: nn.Module, std: float) -> None:
 def build(cfg: HeadConfig, target: TargetIO) -> nn.Module:
     """A fresh EAGLE-1 or EAGLE-3 head for `target` (float32; the loop casts as configured)."""
     std = float(getattr(target.config, "initializer_range", 0.02))
+    if cfg.family not in ("eagle1", "eagle3"):
+        raise ValueError(f"heads.eagle cannot build family '{cfg.family}'")
+    if not 0.0 <= cfg.loss_tv_weight <= 1.0:
+        raise ValueError(f"head.loss_tv_weight {cfg.loss_tv_weight}: must be in [0, 1]")
     if cfg.family == "eagle1":
         head: _EagleHead = Eagle1Head(cfg, target.config)
-    elif cfg.family == "eagle3":
+    else:
         if cfg.ttt_length < 1:
             raise ValueError(f"head.ttt_length {cfg.ttt_length}: must be >= 1")
-        if not 0.0 <= cfg.loss_tv_weight <= 1.0:
-            raise ValueError(f"head.loss_tv_weight {cfg.loss_tv_weight}: must be in [0, 1]")
         head = Eagle3Head(cfg, target.config, feature_layers(cfg, target.config))
-    else:
-        raise ValueError(f"heads.eagle cannot build family '{cfg.family}'")
     _init(head, std)
     return head
