@@ -92,8 +92,8 @@ def export_speculators(head: nn.Module, cfg: HeadConfig, meta: dict, target: Tar
         "draft_vocab_size": int(state["lm_head.weight"].shape[0]),
         "target_hidden_size": target.hidden_size,
         "eagle_aux_hidden_state_layer_ids": ids,
-        # vLLM's speculators loader defaults this to True when absent; our forward is the False one.
-        "norm_before_residual": False,
+        # vLLM's speculators loader defaults this to True when absent, so it is always written (the head's option)
+        "norm_before_residual": bool(cfg.norm_before_residual),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [
@@ -110,6 +110,8 @@ def export_speculators(head: nn.Module, cfg: HeadConfig, meta: dict, target: Tar
 def export_sglang(head: nn.Module, cfg: HeadConfig, meta: dict, target: TargetIO, verifier: str,
                   speculative_tokens: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """SGLang's layout: the draft layer's config at the top level, layer ids as "output of layer i"."""
+    if cfg.norm_before_residual:  # the layout has no key for it: the engine would compute the default forward
+        raise ExportError("head.norm_before_residual is true: the sglang layout has no such key; export speculators")
     state = head_state(head)
     layer = layer_config(head, target)
     ids = [i - 1 for i in served_layer_ids(meta, target)]  # SGLang adds 1 before capturing
@@ -149,7 +151,7 @@ def _check_layer(layer: dict, config: dict, target: TargetIO, where: str) -> Non
 
 
 def _import(config: dict, state: dict[str, torch.Tensor], target: TargetIO, where: str, layer: dict,
-            ids: list[int], prefix: str) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
+            ids: list[int], prefix: str, norm_before_residual: bool = False) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
     """(Eagle3Config, native state dict) from a checked draft layer config, native layer ids, key prefix."""
     _check_layer(layer, config, target, where)
     inter = int(layer["intermediate_size"])
@@ -158,6 +160,7 @@ def _import(config: dict, state: dict[str, torch.Tensor], target: TargetIO, wher
         draft_vocab_size=int(config["draft_vocab_size"]),
         # null = "the target's width", as a natively trained head records it
         intermediate_size=None if inter == int(target.config.intermediate_size) else inter,
+        norm_before_residual=norm_before_residual,
     )
     return cfg, _renamed(state, prefix, NATIVE_PREFIX)
 
@@ -165,7 +168,8 @@ def _import(config: dict, state: dict[str, torch.Tensor], target: TargetIO, wher
 def import_speculators(config: dict, state: dict[str, torch.Tensor], target: TargetIO, where: str
                        ) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
     ids = [int(i) for i in config["eagle_aux_hidden_state_layer_ids"]]
-    return _import(config, state, target, where, config["transformer_layer_config"], ids, PREFIX["speculators"])
+    return _import(config, state, target, where, config["transformer_layer_config"], ids, PREFIX["speculators"],
+                   bool(config["norm_before_residual"]))  # required by the spec (vLLM's default when absent differs)
 
 
 def import_sglang(config: dict, state: dict[str, torch.Tensor], target: TargetIO, where: str

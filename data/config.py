@@ -259,6 +259,8 @@ class TrainConfig:
     eval_every: Count = 200  # optimizer steps between held-out evaluations
     log_every: Count = 10
     eval_at_end: Bool = False  # run eval.run on the trained head when training ends
+    # also keep OUT/head_best: the head at the evaluation with the best held-out simulated tau so far
+    keep_best: Bool = False
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -58,10 +59,13 @@ def _eagle3_training(model, head, io, seq: torch.Tensor) -> tuple[list[torch.Ten
     return steps, metrics
 
 
-def test_eagle3_ttt_steps_are_the_drafters_own_unroll_and_labels_sit_at_t_plus_1_plus_s(tiny_target):
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_eagle3_ttt_steps_are_the_drafters_own_unroll_and_labels_sit_at_t_plus_1_plus_s(tiny_target,
+                                                                                       norm_before_residual):
     model, _, io = tiny_target
     torch.manual_seed(0)
-    cfg = eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=200, ttt_length=STEPS)
+    cfg = eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=200, ttt_length=STEPS,
+                             norm_before_residual=norm_before_residual)
     head = eagle.build(cfg, io).eval()
     _spread(head, 0.15, seed=1)
     ids = torch.randint(3, 250, (1, T), generator=torch.Generator().manual_seed(2))

@@ -356,6 +356,22 @@ def test_zero3_mtp_resume_matches_uninterrupted(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_ddp_keep_best_writes_head_best_from_rank_0_at_the_best_evaluation(tmp_path: Path) -> None:
+    """train.keep_best under 2-process DDP: writing OUT/head_best gathers the weights on every rank (no rank
+    waits alone), and its step is the evaluation with the highest held-out tau_sim (the first, on ties)."""
+    out = tmp_path / "best"
+    args = [*RUN_ARGS, "--train.keep_best=true", "--train.eval_every=1"]
+    _finish(_launch("ddp.yaml", out, _env(ACCELERATE_USE_CPU="1"), args), "DDP run with train.keep_best")
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == "eval"]
+    top = max(r["eval/tau_sim"] for r in evals)
+    step = next(r["step"] for r in evals if r["eval/tau_sim"] == top)
+    extra = json.loads((out / "head_best" / "config.json").read_text())["extra"]
+    assert (extra["best_step"], extra["best_tau_sim"]) == (step, top)
+    assert len(set(_digests(out))) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ddp_resume_matches_uninterrupted(tmp_path: Path) -> None:
     """2-process DDP: 4 steps straight vs 2 steps, then --resume auto, log the same losses; the checkpoint
     holds the head as safetensors and the rest in weights_only .pt files (every rank's RNG state included),

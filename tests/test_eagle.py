@@ -336,3 +336,19 @@ def test_features_are_required(tiny_target):
     _, head = _eagle3(io)
     with pytest.raises(ValueError, match="needs `aux`"):
         head.project(Features(last=torch.zeros(1, 2, io.hidden_size)))
+
+
+def test_norm_before_residual_makes_the_residual_the_normed_state(tiny_target):
+    """head.norm_before_residual (speculators' flag): y = hidden_norm(g) + o_proj(attn); off, y = g + ...
+    The drafter shares `rows`, so tests/test_alignment.py's unroll check covers drafting with it on."""
+    model, _, io = tiny_target
+    _, off = _eagle3(io)
+    _, on = _eagle3(io, norm_before_residual=True)
+    with torch.no_grad():
+        on.midlayer.hidden_norm.weight.mul_(1.5)
+        off.load_state_dict(on.state_dict())
+        batch = _batch(model, on, torch.randint(0, io.vocab_size, (1, 8)))
+        (_, r_on), (_, r_off) = _step0(on, io, batch), _step0(off, io, batch)
+        hidden = on.project(Features(last=batch["last"], aux=batch["aux"]))
+    assert torch.equal(r_on, on.midlayer.hidden_norm(hidden)) and torch.equal(r_off, hidden)
+    assert not torch.allclose(eagle.loss(on, batch, io)[0], eagle.loss(off, batch, io)[0])

@@ -196,6 +196,22 @@ def test_round_trip_identical_greedy_decoding(fmt, exported, heads_dir, tiny_tar
     assert _greedy(model, io, family, back, prompt) == _greedy(model, io, family, original, prompt)
 
 
+def test_norm_before_residual_round_trips_through_speculators_and_sglang_refuses_it(tiny_target, tmp_path):
+    model, tok, io = tiny_target
+    head, cfg = _build("eagle3", io)
+    cfg.norm_before_residual = head.norm_before_residual = True
+    native = save_head(tmp_path / "head", head, cfg, io)
+    out = export_head(native, "speculators", tmp_path / "spec", io)
+    assert _read(out, "speculators")[0]["norm_before_residual"] is True
+    back, back_cfg, _ = import_folder(out, "speculators", io)
+    assert back_cfg.norm_before_residual is True and back.norm_before_residual is True
+    prompt = torch.tensor([tok.encode("Hello there, how are")])
+    assert _greedy(model, io, "eagle3", back, prompt) == _greedy(model, io, "eagle3", head, prompt)
+    with pytest.raises(ExportError, match="head.norm_before_residual is true: the sglang layout has no such key"):
+        export_head(native, "sglang", tmp_path / "sgl", io)
+    assert not (tmp_path / "sgl").exists()
+
+
 def test_native_export_reloads(heads_dir, tiny_target, tmp_path):
     _, _, io = tiny_target
     out = export_head(heads_dir["eagle3"][0], "native", tmp_path / "n", io)
@@ -237,7 +253,7 @@ def test_exporter_refuses_head_without_d2t(heads_dir, tiny_target, tmp_path, mon
     [
         (lambda c: c.pop("speculators_model_type"), "'speculators_model_type' is required"),
         (lambda c: c.pop("norm_before_residual"), "'norm_before_residual' is required"),
-        (lambda c: c.update(norm_before_residual=True), "'norm_before_residual' must be False"),
+        (lambda c: c.update(norm_before_residual=1), "'norm_before_residual' must be bool"),
         (lambda c: c.update(transformer_layer_config="llama"), "'transformer_layer_config' must be dict"),
         (lambda c: c["transformer_layer_config"].update(num_hidden_layers=32), "must be 1"),
         (lambda c: c["transformer_layer_config"].pop("model_type"), "'transformer_layer_config.model_type' is required"),

@@ -13,11 +13,13 @@ import signal
 import pytest
 import torch
 
+import train.loop as train_loop
 from data.config import load_config
 from heads.base import load_head
 from train.batches import Plan, make_plan, train_loader
+from train.errors import TrainError
 from train.loop import main, train
-from train.metrics import simulated_tau
+from train.metrics import MetricSum, simulated_tau
 from train.schedule import lr_factor
 
 
@@ -57,6 +59,7 @@ def test_tiny_run_leaves_a_loadable_head_and_metrics(tmp_path, cache_dir, tiny_t
     assert evals[-1]["eval/tau_sim"] == pytest.approx(res["eval"]["tau_sim"])
     _, cfg, meta = load_head(out / "head", tiny_target[2])
     assert meta["extra"]["step"] == 6 and cfg.family == ("eagle1" if "eagle1" in config else "eagle3")
+    assert not (out / "head_best").exists() and not _rows(out, "best")  # train.keep_best is opt-in
 
 
 def test_stop_by_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, cache_dir, capsys):
@@ -82,6 +85,68 @@ def test_stop_by_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, cach
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
     assert resumed["digest"] == full["digest"]
+
+
+def test_keep_best_keeps_the_peak_step_and_a_resume_keeps_it(tmp_path, cache_dir, tiny_target, monkeypatch):
+    """train.keep_best with a held-out tau scripted to peak at the step-3 evaluation (of 0, 3, 6): OUT/head_best
+    is the step-3 head, in an uninterrupted run and in one stopped at step 3 and resumed (which must not take
+    the lower tau at step 6 for a new best, as it would if the resume forgot the best so far)."""
+    taus = iter([1.0, 5.0, 2.0] * 2)  # the evaluations of run a, then those of run b and its resume
+
+    class Scripted(MetricSum):
+        def reduce(self, accelerator):
+            return {**super().reduce(accelerator), "tau_sim": next(taus)}
+
+    monkeypatch.setattr(train_loop, "MetricSum", Scripted)
+    full = train(_cfg("configs/tiny-eagle.yaml", tmp_path / "a", cache_dir, **{"train.keep_best": "true"}))
+    assert full["best"] == {"step": 3, "tau_sim": 5.0}
+    assert [(r["step"], r["eval/tau_sim"]) for r in _rows(tmp_path / "a", "best")] == [(0, 1.0), (3, 5.0)]
+
+    def preempt(step: int) -> None:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg_b = _cfg("configs/tiny-eagle.yaml", tmp_path / "b", cache_dir, **{"train.keep_best": "true"})
+    train(cfg_b, on_step=preempt)
+    ckpt = tmp_path / "b" / "checkpoints" / "step-00000003"
+    assert json.loads((ckpt / "progress.json").read_text())["best"] == {"step": 3, "tau_sim": 5.0}
+    resumed = train(cfg_b, resume="auto")
+    assert resumed["best"] == {"step": 3, "tau_sim": 5.0} and resumed["digest"] == full["digest"]
+    io = tiny_target[2]
+    for run in ("a", "b"):
+        best, _, meta = load_head(tmp_path / run / "head_best", io)
+        assert (meta["extra"]["step"], meta["extra"]["best_step"], meta["extra"]["best_tau_sim"]) == (3, 3, 5.0)
+        last, _, _ = load_head(tmp_path / run / "head", io)
+        assert any(not torch.equal(a, b) for a, b in zip(best.state_dict().values(), last.state_dict().values()))
+    a_best, b_best = (load_head(tmp_path / r / "head_best", io)[0].state_dict() for r in ("a", "b"))
+    assert all(torch.equal(a_best[k], b_best[k]) for k in a_best)
+    none_held_out = _cfg("configs/tiny-eagle.yaml", tmp_path / "c", cache_dir,
+                         **{"train.keep_best": "true", "data.holdout_fraction": 0})
+    with pytest.raises(TrainError, match="train.keep_best: no held-out conversations"):
+        train(none_held_out)
+
+
+def test_a_checkpoint_from_before_a_new_config_key_resumes(tmp_path, cache_dir):
+    """Keys added to the schema later (here head.loss, head.norm_before_residual, train.keep_best) are absent
+    from an older checkpoint's config: at their defaults they are no change, so the resume goes on; a new key
+    set away from its default is a change (head.* is fixed on resume and refused by name)."""
+
+    def preempt(step: int) -> None:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = _cfg("configs/tiny-eagle.yaml", tmp_path / "r", cache_dir)
+    train(cfg, on_step=preempt)
+    path = tmp_path / "r" / "checkpoints" / "step-00000003" / "progress.json"
+    progress = json.loads(path.read_text())
+    for section, key in (("head", "loss"), ("head", "norm_before_residual"), ("train", "keep_best")):
+        del progress["config"][section][key]
+    path.write_text(json.dumps(progress))
+    tv = _cfg("configs/tiny-eagle.yaml", tmp_path / "r", cache_dir, **{"head.loss": "tv"})
+    with pytest.raises(TrainError, match="cannot change head.loss"):
+        train(tv, resume="auto")
+    assert train(cfg, resume="auto")["step"] == 6
+    assert _rows(tmp_path / "r", "resume")[-1]["changed"] == {}
 
 
 def test_plan_gives_one_and_two_processes_the_same_global_batches():

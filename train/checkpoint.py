@@ -33,7 +33,7 @@ import re
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +74,13 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-def config_changes(saved: dict, now: dict) -> dict[str, list[Any]]:
-    """{dotted key: [saved value, this run's value]} for every key that differs (`out` ignored: runs move)."""
-    a, b = _flat(saved), _flat(now)
+def config_changes(saved: dict, now: dict, defaults: dict | None = None) -> dict[str, list[Any]]:
+    """{dotted key: [saved value, this run's value]} for every key that differs (`out` ignored: runs move).
+
+    A key the saved config lacks (added to the schema after that run was written) reads as its value in
+    `defaults`, so a key that is new and left at its default is no change and does not block a resume."""
+    a, b, d = _flat(saved), _flat(now), _flat(defaults or {})
+    a = {**{k: v for k, v in d.items() if k in b}, **a}
     return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if k != "out" and a.get(k) != b.get(k)}
 
 
@@ -157,7 +161,9 @@ class Resume:
 def open_resume(cfg: RunConfig, resume: str | None, trust: bool) -> Resume:
     """find_checkpoint, then refuse a changed key a resume cannot apply (FIXED_ON_RESUME), naming it."""
     ckpt, progress = find_checkpoint(Path(cfg.out), resume, trust)
-    changes = config_changes(progress["config"], to_dict(cfg)) if "config" in progress else {}
+    # the defaults of this schema, with this run's head family (each family's head keys have their own)
+    defaults = to_dict(replace(RunConfig(), head=type(cfg.head)()))
+    changes = config_changes(progress["config"], to_dict(cfg), defaults) if "config" in progress else {}
     fixed = [k for k in changes if k.startswith(FIXED_ON_RESUME) and k not in FREE_ON_RESUME]
     if fixed:
         raise TrainError(f"{ckpt}: a resumed run cannot change {', '.join(fixed)} (saved "

@@ -30,6 +30,9 @@ The algorithm (`train`): prepare, then for each optimizer step: step, log, maybe
   resolved config.
 - evaluate (`evaluate_holdout`): held-out loss, per-step top-1 and the simulated acceptance length
   (train/metrics.py) every train.eval_every steps, before the first step and at the end.
+- keep the best (`keep_best`, train.keep_best only): after an evaluation whose held-out tau_sim beats every
+  earlier one, OUT/head_best (OUT/head's format; `extra` records best_step and best_tau_sim), a `best` event
+  in metrics.jsonl; the best so far goes into each checkpoint's progress.json, so a resume keeps it.
 - save, every train.checkpoint_every steps and at the end: OUT/head (save_head, loadable alone) and
   OUT/checkpoints/step-NNNNNNNN (train/checkpoint.py: nothing in it runs on load, the two newest kept). `--resume
   PATH|auto` continues with the same data order, so a stopped-and-resumed run logs the losses of an
@@ -111,6 +114,7 @@ class Run:
     resume: Resume
     start: int  # optimizer steps already done (by the resumed checkpoint)
     log: MetricsLog
+    best: dict[str, Any] | None = None  # train.keep_best: {"step", "tau_sim"} of OUT/head_best, once written
 
     @property
     def out(self) -> Path:
@@ -233,7 +237,21 @@ def evaluate_holdout(run: Run, step: int) -> dict[str, float]:
     if run.main_proc:
         print(format_eval(step, res), flush=True)
     run.log.write({"event": "eval", "step": step, **{f"eval/{k}": v for k, v in res.items()}})
+    keep_best(run, step, res)
     return res
+
+
+def keep_best(run: Run, step: int, res: dict[str, float]) -> None:
+    """train.keep_best: OUT/head_best when this evaluation's held-out tau_sim beats the best so far (strictly).
+
+    Runs on every rank: write_head gathers the weights (a collective), and every rank holds the same
+    reduced `res`, so all of them decide alike."""
+    tau = res.get("tau_sim")
+    if not run.cfg.train.keep_best or tau is None or (run.best is not None and tau <= run.best["tau_sim"]):
+        return
+    run.best = {"step": step, "tau_sim": tau}
+    write_head(run, step, "head_best", {"best_step": step, "best_tau_sim": tau})
+    run.log.write({"event": "best", "step": step, "eval/tau_sim": tau})
 
 
 # ----------------------------------------------------------------------------------------------- prepare
@@ -257,6 +275,9 @@ def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run
                                with_argmax=argmax)
     hold_fs = open_featureset(cfg, hold_ds, frozen.model, layer_ids, "holdout", pad_id, target=frozen.io,
                               with_argmax=argmax) if len(hold_ds) else None
+    if cfg.train.keep_best and hold_fs is None:
+        raise TrainError("train.keep_best: no held-out conversations to pick the best head by "
+                         "(raise data.holdout_fraction)")
     plan = make_plan(cfg, train_fs.lengths, accelerator.num_processes)
     head = build_head(cfg, family, train_ds, frozen.io)
     adamw = torch.optim.AdamW(head.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
@@ -268,8 +289,9 @@ def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run
     scheduler = make_scheduler(adamw, cfg, plan.total_steps, start)
     if checkpoint.ckpt is not None and accelerator.is_main_process:
         print(f"resumed from {checkpoint.ckpt} at step {start}")
+    best = checkpoint.progress.get("best") if cfg.train.keep_best else None
     return Run(cfg, accelerator, family, frozen, (train_ds, hold_ds), train_fs, hold_fs, plan, model, optimizer,
-               scheduler, checkpoint, start, MetricsLog(cfg, out, accelerator.is_main_process))
+               scheduler, checkpoint, start, MetricsLog(cfg, out, accelerator.is_main_process), best)
 
 
 def build_head(cfg: RunConfig, family: Family, train_ds: datasets.Dataset, target: TargetIO) -> nn.Module:
@@ -305,8 +327,9 @@ def log_start(run: Run) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- save and end
-def write_head(run: Run, step: int) -> None:
-    """OUT/head: the head's weights gathered from every rank (a collective), written by rank 0."""
+def write_head(run: Run, step: int, folder: str = "head", extra: dict[str, Any] | None = None) -> None:
+    """OUT/head (or OUT/`folder`, with `extra` added to its config's extra): the head's weights gathered
+    from every rank (a collective), written by rank 0."""
     state = run.accelerator.get_state_dict(run.model)
     if not run.main_proc:
         return
@@ -314,15 +337,16 @@ def write_head(run: Run, step: int) -> None:
     weights = {k.removeprefix("head."): v for k, v in state.items()}
     check_finite(weights, f"step {step}")
     fresh.load_state_dict(weights)
-    save_head(run.out / "head", fresh, run.cfg.head, run.target,
+    save_head(run.out / folder, fresh, run.cfg.head, run.target,
               extra={"step": step, "data": run.cfg.data.path, "features": run.cfg.features.mode,
-                     "global_batch_size": run.plan.global_batch})
+                     "global_batch_size": run.plan.global_batch, **(extra or {})})
 
 
 def save_checkpoint(run: Run, step: int) -> Path:
     """OUT/checkpoints/step-NNNNNNNN and OUT/head (all ranks)."""
     record = {"step": step, "global_batch": run.plan.global_batch, "world_size": run.accelerator.num_processes,
-              "config": to_dict(run.cfg), "target": run.target.record()}
+              "config": to_dict(run.cfg), "target": run.target.record(),
+              **({"best": run.best} if run.best is not None else {})}
     return write_checkpoint(run.out / "checkpoints" / f"step-{step:08d}", run.accelerator, run.model,
                             run.optimizer, run.scheduler, lambda: write_head(run, step), record)
 
@@ -334,13 +358,17 @@ def finish(run: Run, step: int, last_eval: dict[str, float], loss_value: float) 
     rank, world = run.accelerator.process_index, run.accelerator.num_processes
     digest = params_digest(run.accelerator.unwrap_model(run.model))
     write_atomic(run.out / f"final_params_digest.rank{rank}.txt", digest + "\n")
+    best = {"best": run.best} if run.best is not None else {}
     run.log.write({"event": "end", "step": step, "world_size": world, "params_digest": digest,
-                   "final_train_loss": loss_value, **{f"eval/{k}": v for k, v in last_eval.items()}})
+                   "final_train_loss": loss_value, **{f"eval/{k}": v for k, v in last_eval.items()}, **best})
     run.log.close()
     if run.main_proc:
         print(f"head saved to {run.out / 'head'}; metrics in {run.out / 'metrics.jsonl'}", flush=True)
+        if run.best is not None:
+            print(f"best held-out simulated tau {run.best['tau_sim']:.3f} at step {run.best['step']}: "
+                  f"{run.out / 'head_best'}", flush=True)
     return {"out": str(run.out), "step": step, "stopped": False, "eval": last_eval, "train_loss": loss_value,
-            "digest": digest, "world_size": world}
+            "digest": digest, "world_size": world, **best}
 
 
 def stop_here(run: Run, step: int, checkpoint: Path) -> dict[str, Any]:

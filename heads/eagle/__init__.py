@@ -11,12 +11,14 @@ EAGLE-1 (`Eagle1Head`, parameters `fc`, `layers.0.*`):
     y = h + o_proj(attn(h));  o = y + mlp(post_attention_layernorm(y))      (no input_layernorm, no final norm)
     o predicts f_{t+1}; logits = target.lm_head(o) predict x_{t+2}
     loss = 1.0 * SmoothL1(o, f_{t+1}) + 0.1 * CE(softmax(target.lm_head(f_{t+1})), log_softmax(target.lm_head(o)))
-    with U(-noise/2, noise/2) added to f_t during training (the EAGLE paper's U(-0.1, 0.1) at noise 0.2).
+    with U(-noise/2, noise/2) added to f_t during training (the EAGLE paper's U(-0.1, 0.1) at noise 0.2);
+    head.loss (forward_kl, the default, is this CE; tv, kl_tv, see `token_loss`) picks the token term.
 
 EAGLE-3 (`Eagle3Head`, parameters named like SGLang's layout: `fc`, `midlayer.*`, `norm`, `lm_head`, buffers
 `d2t`, `t2d`):
     g = fc(A_t)   A_t = cat(hidden_states[i] for the layer ids), ascending; no bias; step 0 only
     u = cat(input_layernorm(emb(x)), hidden_norm(g));   y = g + o_proj(attn(u));   o = y + mlp(post_ln(y))
+    (norm_before_residual: y = hidden_norm(g) + o_proj(attn(u)), speculators' / vLLM's option of that name)
     logits_draft = lm_head(norm(o)) over the draft vocab; target_id = draft_id + d2t[draft_id]
     next step's hidden = o (PRE-norm)
   Training-time test, step s at index t (s = 0 .. ttt_length-1), see `step_alignment` for a worked example:
@@ -26,7 +28,8 @@ EAGLE-3 (`Eagle3Head`, parameters named like SGLang's layout: `fc`, `midlayer.*`
     mask: loss_mask[t+2+s] (the project convention: predicting token j uses loss_mask[j]; SpecForge's
     `loss_mask[t+s]` is the same rule under its own, shifted, mask) times t2d[the target's argmax there]
     (batch["target_argmax"], stored at extraction, so training computes only the draft vocab's logits),
-    loss_s = -sum(mask * sum_v p log q) / (B*T);  loss = sum_s ttt_decay**s * loss_s.
+    loss_s = -sum(mask * sum_v p log q) / (B*T);  loss = sum_s ttt_decay**s * loss_s
+    (head.loss: forward_kl, the default, is this; tv and kl_tv replace -sum_v p log q, see `token_loss`).
   Metrics: `top1/s` = share of loss-masked positions (target argmax outside the draft vocab counted as
   misses) where the draft's argmax equals the target's argmax at step s; `n/s` their count.
 
@@ -38,11 +41,11 @@ Drafting (`drafter`, `drafter_factory`): chains, or EAGLE-2 dynamic trees (`tree
 
 The package, one job per module (this file re-exports their public names, so `from heads.eagle import X`
 reaches all of them, and declares the two families, `FAMILIES`, for heads.registry):
-    config.py   Eagle1Config, Eagle3Config, feature_layers, default_layer_ids, resolved_draft_vocab
+    config.py   Eagle1Config, Eagle3Config, TokenLossConfig, feature_layers, default_layer_ids, resolved_draft_vocab
     model.py    the re-implemented Llama layer (RMSNorm, Attention, MLP, DecoderLayer), ttt_attention,
                 masked_attention, rotary, Eagle1Head, Eagle3Head, build
     vocab.py    the draft vocabulary (draft_vocab_from_counts, token_counts) and prepare
-    losses.py   loss (EAGLE-1 and EAGLE-3 TTT), step_alignment
+    losses.py   loss (EAGLE-1 and EAGLE-3 TTT), token_loss, step_alignment
     drafting.py EagleDrafter (chain / EAGLE-2 dynamic tree of Candidate nodes), drafter, drafter_factory, TREES
 
 Run the unit tests with `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_alignment.py`.
@@ -53,12 +56,13 @@ from heads.eagle.config import (
     DEFAULT_DRAFT_VOCAB,
     Eagle1Config,
     Eagle3Config,
+    TokenLossConfig,
     default_layer_ids,
     feature_layers,
     resolved_draft_vocab,
 )
 from heads.eagle.drafting import TREES, Candidate, CandidatePool, EagleDrafter, drafter, drafter_factory
-from heads.eagle.losses import loss, step_alignment
+from heads.eagle.losses import loss, step_alignment, token_loss
 from heads.eagle.model import (
     MLP,
     Attention,
@@ -86,8 +90,8 @@ FAMILIES = (
 
 __all__ = [
     "DEFAULT_DRAFT_VOCAB", "FAMILIES", "MLP", "TREES", "Attention", "Candidate", "CandidatePool", "DecoderLayer",
-    "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "EagleDrafter", "RMSNorm", "build",
+    "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "EagleDrafter", "RMSNorm", "TokenLossConfig", "build",
     "default_layer_ids", "draft_vocab_from_counts", "drafter", "drafter_factory", "feature_layers", "loss",
     "masked_attention", "prepare", "resolved_draft_vocab", "rotary", "shift_left", "step_alignment",
-    "token_counts", "ttt_attention",
+    "token_counts", "token_loss", "ttt_attention",
 ]

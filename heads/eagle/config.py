@@ -1,6 +1,7 @@
 """EAGLE head configs and what they resolve to for a target: the captured layers and the draft vocabulary size.
 
     Eagle1Config / Eagle3Config     the `head:` section of a run config (family eagle1 / eagle3)
+    TokenLossConfig                 their shared token-loss keys (head.loss, head.loss_tv_weight)
     feature_layers(cfg, target_config)   hidden_states indices an EAGLE-3 head reads ([] for EAGLE-1)
     resolved_draft_vocab(cfg, vocab)     the draft vocabulary size (default min(32000, target vocab))
 
@@ -10,7 +11,7 @@ Tests: `.venv/bin/python -m pytest -q tests/test_eagle.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from heads.base import HeadConfig
 
@@ -18,7 +19,17 @@ DEFAULT_DRAFT_VOCAB = 32000
 
 
 @dataclass
-class Eagle1Config(HeadConfig):
+class TokenLossConfig(HeadConfig):
+    """The token loss both EAGLE families train against the target's distribution (heads/eagle/losses.py,
+    `token_loss`): forward_kl (soft cross-entropy, the default), tv (total variation, the acceptance-rate
+    objective), kl_tv (a mix)."""
+
+    loss: Literal["forward_kl", "tv", "kl_tv"] = "forward_kl"
+    loss_tv_weight: float = 0.5  # kl_tv only: (1 - w) * forward_kl + w * tv, w in [0, 1]
+
+
+@dataclass
+class Eagle1Config(TokenLossConfig):
     family: str = "eagle1"
     noise: float = 0.2  # width of the uniform input-feature noise: U(-noise/2, noise/2) (EAGLE: U(-0.1, 0.1))
     feature_loss_weight: float = 1.0  # SmoothL1 on the predicted feature
@@ -26,13 +37,15 @@ class Eagle1Config(HeadConfig):
 
 
 @dataclass
-class Eagle3Config(HeadConfig):
+class Eagle3Config(TokenLossConfig):
     family: str = "eagle3"
     layer_ids: list[int] | None = None  # hidden_states indices; null = [2, L//2, L-3] (EAGLE/SpecForge)
     draft_vocab_size: int | None = None  # null = min(32000, target vocab)
     ttt_length: int = 7  # training-time-test unroll steps
     ttt_decay: float = 0.8  # step s weighted decay**s
     intermediate_size: int | None = None  # draft MLP width; null = the target's
+    # EAGLE-3.1 / speculators `norm_before_residual`: the layer's residual is hidden_norm(hidden), not hidden
+    norm_before_residual: bool = False
 
 
 def default_layer_ids(num_layers: int) -> list[int]:

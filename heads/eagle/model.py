@@ -181,6 +181,7 @@ class Eagle1Head(_EagleHead):
         self.layer_ids = []
         self.noise = cfg.noise
         self.feature_loss_weight, self.token_loss_weight = cfg.feature_loss_weight, cfg.token_loss_weight
+        self.loss_kind, self.loss_tv_weight = cfg.loss, cfg.loss_tv_weight
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(config, int(config.intermediate_size), eagle3=False)])
 
@@ -210,6 +211,8 @@ class Eagle3Head(_EagleHead):
         draft_vocab = resolved_draft_vocab(cfg, vocab)
         self.layer_ids = list(layer_ids)
         self.ttt_length, self.ttt_decay = cfg.ttt_length, cfg.ttt_decay
+        self.loss_kind, self.loss_tv_weight = cfg.loss, cfg.loss_tv_weight
+        self.norm_before_residual = cfg.norm_before_residual
         self.fc = nn.Linear(len(layer_ids) * h, h, bias=False)
         self.midlayer = DecoderLayer(config, int(cfg.intermediate_size or config.intermediate_size), eagle3=True)
         self.norm = RMSNorm(h, float(getattr(config, "rms_norm_eps", 1e-6)))
@@ -231,9 +234,12 @@ class Eagle3Head(_EagleHead):
 
     def rows(self, emb, hidden, cos, sin):
         m = self.midlayer
-        u = torch.cat([m.input_layernorm(emb.to(hidden.dtype)), m.hidden_norm(hidden)], dim=-1)
+        normed = m.hidden_norm(hidden)
+        u = torch.cat([m.input_layernorm(emb.to(hidden.dtype)), normed], dim=-1)
         q, k, v = m.self_attn.qkv(u, cos, sin)
-        return q, k, v, hidden
+        # norm_before_residual: the residual is the normalised state too, so neither the fused features nor
+        # the fed-back PRE-norm output carries its scale into the next step (training and drafting both use rows)
+        return q, k, v, normed if self.norm_before_residual else hidden
 
     def logits(self, o: torch.Tensor, target: TargetIO) -> torch.Tensor:
         return self.lm_head(self.norm(o))
@@ -262,13 +268,15 @@ def _init(module: nn.Module, std: float) -> None:
 def build(cfg: HeadConfig, target: TargetIO) -> nn.Module:
     """A fresh EAGLE-1 or EAGLE-3 head for `target` (float32; the loop casts as configured)."""
     std = float(getattr(target.config, "initializer_range", 0.02))
+    if cfg.family not in ("eagle1", "eagle3"):
+        raise ValueError(f"heads.eagle cannot build family '{cfg.family}'")
+    if not 0.0 <= cfg.loss_tv_weight <= 1.0:
+        raise ValueError(f"head.loss_tv_weight {cfg.loss_tv_weight}: must be in [0, 1]")
     if cfg.family == "eagle1":
         head: _EagleHead = Eagle1Head(cfg, target.config)
-    elif cfg.family == "eagle3":
+    else:
         if cfg.ttt_length < 1:
             raise ValueError(f"head.ttt_length {cfg.ttt_length}: must be >= 1")
         head = Eagle3Head(cfg, target.config, feature_layers(cfg, target.config))
-    else:
-        raise ValueError(f"heads.eagle cannot build family '{cfg.family}'")
     _init(head, std)
     return head

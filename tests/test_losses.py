@@ -1,0 +1,126 @@
+"""EAGLE token losses (head.loss): forward_kl, tv, kl_tv pinned against direct computations, masks, gradients,
+and the config's refusals.
+
+    .venv/bin/python -m pytest -q tests/test_losses.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eagle import _batch
+
+from data.config import ConfigError, load_config
+from heads import eagle
+
+# Two positions over a 3-token draft vocab: p is the target's (renormalised) distribution, logits the head's.
+P = torch.tensor([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]])
+LOGITS = torch.tensor([[[1.0, 0.0, -1.0], [0.5, 0.5, 0.0]]])
+MASK = torch.tensor([[1.0, 1.0]])
+
+
+def _q(logits: torch.Tensor) -> torch.Tensor:
+    e = logits.exp()
+    return e / e.sum(-1, keepdim=True)
+
+
+def _direct_tv(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """1 - sum_v min(p_v, q_v) per position: the acceptance-rate form, independent of 0.5 * sum |p - q|."""
+    return 1 - torch.minimum(p, _q(logits)).sum(-1)
+
+
+def _direct_ce(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    return -(p * _q(logits).log()).sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "tv", "kl_tv"])
+def test_each_loss_equals_the_direct_computation(kind):
+    w = 0.3
+    want = {"forward_kl": _direct_ce(P, LOGITS), "tv": _direct_tv(P, LOGITS),
+            "kl_tv": 0.7 * _direct_ce(P, LOGITS) + 0.3 * _direct_tv(P, LOGITS)}[kind].sum() / 4
+    got = eagle.token_loss(LOGITS, P, MASK, 4, kind, w)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_tv_hand_values():
+    # position 0: q = softmax(1, 0, -1) = (0.665, 0.245, 0.090); sum min(p, q) = 0.665 + 0.2 + 0.090
+    q0 = _q(LOGITS[0, 0])
+    assert float(1 - (q0[0] + 0.2 + q0[2])) == pytest.approx(float(_direct_tv(P, LOGITS)[0, 0]))
+    # identical distributions: TV 0; disjoint ones: TV 1
+    same = eagle.token_loss(P.log(), P, MASK, 1, "tv")
+    assert float(same) == pytest.approx(0.0, abs=1e-6)
+    disjoint = eagle.token_loss(torch.tensor([[[30.0, -30.0]]]), torch.tensor([[[0.0, 1.0]]]), torch.ones(1, 1), 1, "tv")
+    assert float(disjoint) == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "tv", "kl_tv"])
+def test_masked_positions_are_ignored(kind):
+    mask = torch.tensor([[1.0, 0.0]])
+    garbage = LOGITS.clone()
+    garbage[0, 1] = torch.tensor([50.0, -50.0, 9.0])  # any value at the masked position
+    a = eagle.token_loss(LOGITS, P, mask, 2, kind)
+    b = eagle.token_loss(garbage, P, mask, 2, kind)
+    assert float(a) == float(b)
+    only0 = eagle.token_loss(LOGITS[:, :1], P[:, :1], torch.ones(1, 1), 2, kind)
+    assert float(a) == pytest.approx(float(only0))
+
+
+@pytest.mark.parametrize("kind", ["tv", "kl_tv"])
+def test_a_gradient_step_moves_q_toward_p_and_lowers_tv(kind):
+    logits = LOGITS.clone().requires_grad_(True)
+    eagle.token_loss(logits, P, MASK, 2, kind).backward()
+    with torch.no_grad():
+        stepped = logits - 0.5 * logits.grad
+    assert float(_direct_tv(P, stepped).sum()) < float(_direct_tv(P, LOGITS).sum())
+    # the most under-predicted token's logit rises (position 1: p = 0.8 on token 2, q gives it the least)
+    assert float(logits.grad[0, 1, 2]) < 0
+
+
+def test_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="head.loss 'hinge'"):
+        eagle.token_loss(LOGITS, P, MASK, 2, "hinge")
+
+
+def test_config_refuses_a_bad_loss_by_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("head:\n  family: eagle3\n  loss: hinge\n")
+    with pytest.raises(ConfigError, match=r"head\.loss"):
+        load_config(path)
+    path.write_text("head:\n  family: eagle3\n  loss: kl_tv\n  loss_tv_weight: 0.25\n")
+    cfg = load_config(path)
+    assert (cfg.head.loss, cfg.head.loss_tv_weight) == ("kl_tv", 0.25)
+
+
+def test_tv_weight_out_of_range_is_refused(tiny_target):
+    _, _, io = tiny_target
+    with pytest.raises(ValueError, match="head.loss_tv_weight 1.5"):
+        eagle.build(eagle.Eagle3Config(layer_ids=[1, 2, 3], loss="kl_tv", loss_tv_weight=1.5), io)
+    with pytest.raises(ValueError, match="head.loss_tv_weight -0.1"):
+        eagle.build(eagle.Eagle1Config(loss="kl_tv", loss_tv_weight=-0.1), io)
+
+
+def _head_losses(io, model, family: str, settings) -> list[float]:
+    """The head's training loss (EAGLE-3: TTT over 2 steps; EAGLE-1: feature + token) per (loss, weight)."""
+    ids = torch.randint(0, io.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
+    got = []
+    for name, w in settings:
+        torch.manual_seed(0)
+        if family == "eagle3":
+            cfg = eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=io.vocab_size, ttt_length=2,
+                                     loss=name, loss_tv_weight=w)
+        else:  # the feature term off, so the loss is the token term alone
+            cfg = eagle.Eagle1Config(feature_loss_weight=0.0, token_loss_weight=1.0, loss=name, loss_tv_weight=w)
+        head = eagle.build(cfg, io).eval()
+        with torch.no_grad():
+            got.append(float(eagle.loss(head, _batch(model, head, ids), io)[0]))
+    return got
+
+
+@pytest.mark.parametrize("family", ["eagle3", "eagle1"])
+def test_head_loss_uses_the_configured_kind(tiny_target, family):
+    """A head's loss is token_loss of its kind: at kl_tv weight 0 it is forward_kl, at 1 it is tv."""
+    model, _, io = tiny_target
+    kl, tv, mix0, mix1 = _head_losses(io, model, family, [("forward_kl", 0.5), ("tv", 0.5), ("kl_tv", 0.0),
+                                                          ("kl_tv", 1.0)])
+    assert mix0 == pytest.approx(kl, rel=1e-6) and mix1 == pytest.approx(tv, rel=1e-6)
+    assert tv != pytest.approx(kl) and 0 < tv < 2  # EAGLE-3: sum_s 0.8**s * mean TV; each TV in [0, 1]
