@@ -10,10 +10,10 @@ heads.base.FAMILIES is declared here).
 
 from __future__ import annotations
 
-from convert import eagle1, eagle3, medusa, mtp
+from convert import dflash, eagle1, eagle3, medusa, mtp
 from convert.family import FamilyExports, Layout, VllmServing
 
-FAMILY_MODULES = (eagle1, eagle3, medusa, mtp)
+FAMILY_MODULES = (eagle1, eagle3, medusa, mtp, dflash)
 FAMILY_EXPORTS: dict[str, FamilyExports] = {m.EXPORTS.family: m.EXPORTS for m in FAMILY_MODULES}
 # format -> (family, layout), in declaration order
 LAYOUTS: dict[str, tuple[str, Layout]] = {

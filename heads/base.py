@@ -53,6 +53,7 @@ FORMAT_VERSION = 1
 FAMILIES: dict[str, str] = {
     "eagle1": "heads.eagle",
     "eagle3": "heads.eagle",
+    "dflash": "heads.dflash",
     "medusa": "heads.medusa",
     "mtp": "heads.mtp",
 }

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_config_loads(path: Path) -> None:
     cfg = load_config(path)
     assert isinstance(cfg, RunConfig)
-    assert cfg.head.family in ("eagle1", "eagle3", "medusa", "mtp")
+    assert cfg.head.family in ("eagle1", "eagle3", "medusa", "mtp", "dflash")
 
 
 def test_unknown_key_names_key_and_file(tmp_path: Path) -> None:
