@@ -232,6 +232,21 @@ def test_greedy_speculative_output_equals_plain_decoding(tiny_target, mode):
     assert stats.tau >= 1.0
 
 
+def test_prepare_takes_the_draft_vocab_lm_head_rows_and_final_norm_from_the_target(tiny_target):
+    import datasets
+
+    model, _, io = tiny_target
+    ds = datasets.Dataset.from_dict({"input_ids": [[5, 7, 7, 9, 9, 9]], "loss_mask": [[0, 1, 1, 1, 1, 1]]})
+    cfg = dflash.DFlashConfig(layer_ids=LAYERS, draft_vocab_size=2)
+    init = dflash.prepare(cfg, ds, io)
+    assert (torch.arange(2) + init["d2t"]).tolist() == [7, 9] and init["t2d"].nonzero().reshape(-1).tolist() == [7, 9]
+    assert torch.equal(init["lm_head.weight"], io.lm_head.weight.detach()[[7, 9]])
+    torch.testing.assert_close(init["norm.weight"], model.model.norm.weight.detach())
+    head = dflash.build(cfg, io)
+    head.load_state_dict(init, strict=False)
+    assert not head.lm_head.weight.requires_grad and head.norm.weight.requires_grad
+
+
 def test_head_folder_round_trip(tiny_target, tmp_path):
     model, _, io = tiny_target
     cfg, head = _head(io)

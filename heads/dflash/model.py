@@ -14,7 +14,7 @@ The Llama pieces are EAGLE's (heads/eagle/model.py: RMSNorm, Attention's project
 masked_attention); q_norm/k_norm are what the engines' Qwen3-style DFlash layer adds.
 
     build(cfg, target) -> DFlashHead
-    prepare(cfg, dataset, target) -> {d2t, t2d, lm_head.weight}   EAGLE-3's draft vocab, the target's rows
+    prepare(cfg, dataset, target) -> {d2t, t2d, lm_head.weight, norm.weight}   draft vocab, target's rows
         context_kv(aux, positions, target) -> [(k, v) per layer]   the context's keys/values
         block_states(emb, positions, ctx_kv, mask, target) -> h    the block through every layer (pre-norm)
         logits(h)                                                  over the draft vocab
@@ -41,7 +41,7 @@ from heads.eagle.model import (  # _rope: reused, not copied
     masked_attention,
     rotary,
 )
-from heads.eagle.vocab import draft_vocab_from_counts, token_counts
+from heads.eagle.vocab import draft_vocab_from_counts, final_norm_scale, token_counts
 from heads.types import TargetIO
 
 
@@ -169,11 +169,15 @@ def build(cfg: HeadConfig, target: TargetIO) -> DFlashHead:
 
 def prepare(cfg: HeadConfig, dataset: Any, target: TargetIO) -> dict[str, torch.Tensor]:
     """The data-derived head tensors: EAGLE-3's draft vocabulary (`d2t`/`t2d`, the most frequent loss-masked
-    training tokens) and `lm_head.weight` = the target's lm_head rows of those ids (frozen from then on)."""
+    training tokens), `lm_head.weight` = the target's lm_head rows of those ids (frozen from then on) and
+    `norm.weight` = the target's final-norm scale (trainable)."""
     n = resolved_draft_vocab(cfg, target.vocab_size)
     d2t, t2d = draft_vocab_from_counts(token_counts(dataset, target.vocab_size), n)
     out = {"d2t": d2t, "t2d": t2d}
     weight = getattr(target.lm_head, "weight", None)
     if weight is not None and tuple(weight.shape) == (target.vocab_size, target.hidden_size):
         out["lm_head.weight"] = weight.detach().float().cpu()[torch.arange(n) + d2t]
+    scale = final_norm_scale(target)
+    if scale is not None:  # so that the draft's logits start as the target's own on the same hidden state
+        out["norm.weight"] = scale
     return out
