@@ -74,8 +74,7 @@ class DFlashDrafter:
         head, bs = self.head, self.head.block_size
         emb = head.block_embeddings(torch.tensor([self.anchor], device=self.device), self.target)
         pos = torch.arange(self.n, self.n + bs, device=self.device)[None]
-        mask = torch.ones(bs, self.n + bs, dtype=torch.bool, device=self.device)  # all context, whole block
-        h = head.block_states(emb, pos, self.ctx, mask, self.target)
+        h = head.block_states(emb, pos, self.ctx, None, self.target)  # no mask: all context, the whole block
         return head.logits(h[0, 1:]).float()
 
     @torch.no_grad()

@@ -10,8 +10,8 @@ names theirs; the equations in heads/dflash/__init__.py's docstring):
     h <- h + o_proj(attn(q; context keys, block keys));  h <- h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(h))         lm_head: the target's rows of the draft vocab, frozen
 
-The Llama pieces are EAGLE's (heads/eagle/model.py: RMSNorm, Attention's projections, MLP, rotary,
-masked_attention); q_norm/k_norm are what the engines' Qwen3-style DFlash layer adds.
+The Llama pieces are EAGLE's (heads/eagle/model.py: RMSNorm, Attention's projections, MLP, rotary); the
+attention is SDPA with grouped KV heads (enable_gqa); q_norm/k_norm are what the engines' Qwen3-style layer adds.
 
     build(cfg, target) -> DFlashHead
     prepare(cfg, dataset, target) -> {d2t, t2d, lm_head.weight, norm.weight}   draft vocab, target's rows
@@ -27,20 +27,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from heads.base import HeadConfig
 from heads.dflash.config import DFlashConfig, check, feature_layers, loss_weights, resolved_mask_token
 from heads.eagle.config import resolved_draft_vocab
-from heads.eagle.model import (  # _rope: reused, not copied
-    MLP,
-    Attention,
-    Eagle3Head,
-    RMSNorm,
-    _rope,
-    masked_attention,
-    rotary,
-)
+from heads.eagle.model import MLP, Attention, Eagle3Head, RMSNorm, _rope, rotary  # _rope: reused, not copied
 from heads.eagle.vocab import draft_vocab_from_counts, final_norm_scale, token_counts
 from heads.types import TargetIO
 
@@ -81,13 +74,16 @@ class DFlashLayer(nn.Module):
         self.mlp = MLP(h, inter, getattr(config, "hidden_act", "silu"))
 
     def forward(self, h: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """h [B, N, H] block states; ctx (k, v) [B, kv, T, d]; mask [.., N, T + N] (True = may attend)."""
+                sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """h [B, N, H] block states; ctx (k, v) [B, kv, T, d]; mask [.., N, T + N] (True = may attend), None =
+        every key (drafting: one block over the whole context, so no mask is built or applied)."""
         x = self.input_layernorm(h)
         attn = self.self_attn
         kb, vb = attn.key_value(x, cos, sin)
         k, v = torch.cat([ctx[0], kb], dim=2), torch.cat([ctx[1], vb], dim=2)
-        h = h + attn.out(masked_attention(attn.query(x, cos, sin), k, v, mask))
+        # grouped KV heads attended in place (enable_gqa), not repeated: the block pass is a few rows
+        a = F.scaled_dot_product_attention(attn.query(x, cos, sin), k, v, attn_mask=mask, enable_gqa=True)
+        h = h + attn.out(a)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -130,7 +126,7 @@ class DFlashHead(nn.Module):
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
 
     def block_states(self, emb: torch.Tensor, positions: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
-                     mask: torch.Tensor, target: TargetIO) -> torch.Tensor:
+                     mask: torch.Tensor | None, target: TargetIO) -> torch.Tensor:
         """The block's embeddings [B, N, H] at positions [B, N] through every layer (pre-norm output)."""
         h = emb.to(self.fc.weight.dtype)
         cos, sin = rotary(target, h, positions)
