@@ -50,7 +50,7 @@ def layer_config(head: nn.Module, target: TargetIO) -> dict:
         "max_position_embeddings": int(getattr(tc, "max_position_embeddings", 4096)),
         **rope_fields(tc),
         "attention_bias": False,
-        "use_sliding_window": False,  # every layer full attention: vLLM then runs them non-causal
+        "use_sliding_window": False,  # every layer full attention (no sliding window)
         "tie_word_embeddings": False,
     }
 
@@ -70,7 +70,9 @@ def export_speculators_dflash(head: nn.Module, cfg: HeadConfig, meta: dict, targ
         "mask_token_id": int(head.mask_token_id),
         "aux_hidden_state_layer_ids": served_layer_ids(meta, target),
         "sample_from_anchor": False,  # slot 0 is the anchor (the bonus token); slots 1..B-1 are drafted
-        "sliding_window_non_causal": False,
+        # vLLM (0.32's update_dflash) sets dflash_config.causal = not this, and `causal` overrides EVERY layer:
+        # false would serve the draft causally inside the block, another function. True keeps it bidirectional.
+        "sliding_window_non_causal": True,
         "speculators_config": {
             "algorithm": "dflash",
             "proposal_methods": [

@@ -280,6 +280,7 @@ def test_export_has_the_vllm_names_and_keys(tiny_target, exported):
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == LAYERS
     assert config["block_size"] == 4 and config["mask_token_id"] == head.mask_token_id
+    assert config["sliding_window_non_causal"] is True  # vLLM: dflash_config.causal = not this, on every layer
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3  # block_size - 1
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["use_sliding_window"] is False
