@@ -136,11 +136,14 @@ def check_config(spec: dict, config: dict, where: str) -> None:
 
 
 def resolve_symbols(spec: dict, config: dict, target_config: Any = None, where: str = "") -> dict[str, int]:
-    """Shape symbols from the config (then the target's config, then the spec's default expression)."""
+    """Shape symbols from the config (an int key, or with `length: true` a list key's length; then the
+    target's config, then the spec's default expression)."""
     env: dict[str, int] = {}
     for name, src in spec.get("symbols", {}).items():
         found, value = get_dotted(config, src["config"])
-        if found and value is not None:
+        if found and isinstance(value, list) and src.get("length"):  # a list key's length (DFlash's layer ids)
+            env[name] = len(value)
+        elif found and value is not None:
             env[name] = int(value)
         elif "target" in src and target_config is not None:
             env[name] = int(getattr(target_config, src["target"]))

@@ -25,7 +25,8 @@ JSON keys: plain_tokens_per_s, hf_plain_tokens_per_s, hf_prompt_lookup_tokens_pe
 hf_prompt_lookup_speedup, drafters.<name>.{tokens_per_s, speedup, tau, outputs_identical, k,
 acceptance_rates, predicted_speedup, ideal_speedup, overhead_ratio, chosen_k, accepted_by_source, ...},
 overhead_ratio.<name>,
-verify_cost_ms.<k>. speedup = tokens/s over plain greedy with our loop (whole generation, prefill included);
+verify_cost_ms.<k>, block_pass_vs_eagle3_step (one DFlash block pass, B = 8, against one EAGLE-3 draft step:
+block_pass_vs_step; `--block-vs-step` runs only that row). speedup = tokens/s over plain greedy with our loop (whole generation, prefill included);
 overhead_ratio = measured decode-phase speedup / ideal speedup from measured tau, T(k) and draft cost.
 """
 
@@ -185,6 +186,38 @@ def hf_generate(model, ids: torch.Tensor, max_new: int, **kw) -> tuple[list[int]
 
 
 @cli_main
+def block_pass_vs_step(model, io, prompt: torch.Tensor, reps: int = 30) -> dict:
+    """One DFlash block pass (B = 8: 7 drafted tokens) against one EAGLE-3 draft step, both freshly built with
+    the quickstart's head sizes (configs/smollm2-135m.yaml, configs/smollm2-135m-dflash.yaml: draft vocab
+    2048, one draft layer), on the same prompt's features. EAGLE-3's step = (draft(5) - draft(1)) / 4 (its
+    first token comes from the logits cached at commit; each further token is one pass of its layer); the
+    block = draft(7). Medians of `reps` calls. Target of issue 25: ratio <= 2."""
+    from data.features import forward_features
+    from heads import dflash, eagle
+
+    torch.manual_seed(0)
+    e3 = eagle.build(eagle.Eagle3Config(draft_vocab_size=2048, ttt_length=3), io).eval()
+    blk = dflash.build(dflash.DFlashConfig(draft_vocab_size=2048, block_size=8), io).eval()
+    feats = forward_features(model, prompt, None, e3.layer_ids)[0]
+    de, dd = eagle.drafter(e3, io), dflash.drafter(blk, io)
+    de.begin(prompt, feats, 0)
+    dd.begin(prompt, feats, 0)
+
+    def median_s(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    step = (median_s(lambda: de.draft(5, 0.0)) - median_s(lambda: de.draft(1, 0.0))) / 4
+    block = median_s(lambda: dd.draft(7, 0.0))
+    return {"block_size": 8, "context": int(prompt.shape[1]), "eagle3_step_ms": round(step * 1e3, 3),
+            "dflash_block_ms": round(block * 1e3, 3), "ratio": round(block / step, 2)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="smollm2-135m", help="target name or path (default smollm2-135m)")
@@ -198,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--calib-tokens", type=int, default=48, help="new tokens per calibration prompt")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--no-self", action="store_true", help="skip the self-speculative rows (slow on a CPU)")
+    ap.add_argument("--block-vs-step", action="store_true",
+                    help="only the row of one DFlash block pass (B = 8) against one EAGLE-3 draft step")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -210,6 +245,12 @@ def main(argv: list[str] | None = None) -> dict:
     texts = prompt_texts(args.num_prompts)
     prompts = [encode(tok, t) for _, t in texts]
     calib_prompts = [encode(tok, t) for _, t in prompt_texts(2, offset=40)]
+    with torch.inference_mode():
+        block_row = block_pass_vs_step(model, io, prompts[0])
+    print(f"one DFlash block pass (B = 8) vs one EAGLE-3 draft step at context {block_row['context']}: "
+          f"{block_row['dflash_block_ms']:.2f} ms vs {block_row['eagle3_step_ms']:.2f} ms = {block_row['ratio']:.2f}x")
+    if args.block_vs_step:
+        return {"block_pass_vs_eagle3_step": block_row}
     ctx = int(statistics.fmean(p.shape[1] for p in prompts) + args.max_new_tokens / 2)
 
     print(f"target {args.target}: {torch.get_num_threads()} threads, {len(prompts)} prompts "
@@ -284,6 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
         "overhead_ratio": {name: r["overhead_ratio"] for name, r in results.items()},
         "verify_cost_ms": verify.ms(),
         "verify_cost_context": verify.context_len,
+        "block_pass_vs_eagle3_step": block_row,
     }
 
     print(f"\nT(k) ms at context {ctx}: " + ", ".join(f"{k}: {v:.1f}" for k, v in verify.ms().items()))

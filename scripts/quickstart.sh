@@ -12,7 +12,9 @@
 # Knobs (environment): QS_PROMPTS (default 448), QS_MAX_NEW (answer tokens, default 128), QS_STEPS
 # (training steps), QS_QUESTIONS (eval questions per benchmark, default 4), QS_THREADS (eval's torch threads,
 # default 0 = every core: the quickstart's numbers are for an otherwise idle machine, where a verify pass over
-# k+1 tokens costs far less with every core (data/packed.py); use 1 on a machine shared with other jobs).
+# k+1 tokens costs far less with every core (data/packed.py); use 1 on a machine shared with other jobs),
+# QS_FAMILY (default eagle3; dflash trains the block drafter of configs/smollm2-135m-dflash.yaml on the same
+# store, into OUT/dflash, and evaluates that head).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/quickstart}"
@@ -20,6 +22,7 @@ PROMPTS="${QS_PROMPTS:-448}"
 MAX_NEW="${QS_MAX_NEW:-128}"
 QUESTIONS="${QS_QUESTIONS:-4}"
 THREADS="${QS_THREADS:-0}"
+FAMILY="${QS_FAMILY:-eagle3}"
 CONFIG=configs/smollm2-135m.yaml
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
@@ -45,13 +48,24 @@ stage "3/5 extract the target's features into an offline store"
 $PY -m data.extract --config "$CONFIG" --out "$OUT" --data.path="$OUT/regenerated.jsonl"
 took
 
-stage "4/5 train the EAGLE-3 head"
-$PY train/eagle.py --config "$CONFIG" --out "$OUT" --data.path="$OUT/regenerated.jsonl" \
-  --resume auto "${STEP_ARGS[@]}"
+HEAD_OUT="$OUT"
+case "$FAMILY" in
+  eagle3)
+    stage "4/5 train the EAGLE-3 head"
+    $PY train/eagle.py --config "$CONFIG" --out "$OUT" --data.path="$OUT/regenerated.jsonl" \
+      --resume auto "${STEP_ARGS[@]}" ;;
+  dflash)  # the same store (EAGLE-3's captured layers), given absolute: relative stores go under --out
+    HEAD_OUT="$OUT/dflash"
+    stage "4/5 train the DFlash block drafter"
+    $PY -m train --config configs/smollm2-135m-dflash.yaml --out "$HEAD_OUT" \
+      --data.path="$OUT/regenerated.jsonl" --features.store="$(cd "$OUT" && pwd)/features" \
+      --resume auto "${STEP_ARGS[@]}" ;;
+  *) echo "QS_FAMILY must be eagle3 or dflash, got '$FAMILY'" >&2; exit 2 ;;
+esac
 took
 
 stage "5/5 evaluate with the exact speculative decoder (head + n-gram, the head alone beside it)"
-$PY -m eval.run --head "$OUT/head" --drafter head+ngram --bench mt_bench,humaneval,gsm8k --max-questions "$QUESTIONS" \
-  --threads "$THREADS" --out "$OUT/eval"
+$PY -m eval.run --head "$HEAD_OUT/head" --drafter head+ngram --bench mt_bench,humaneval,gsm8k --max-questions "$QUESTIONS" \
+  --threads "$THREADS" --out "$HEAD_OUT/eval"
 took
-cat "$OUT/eval/report.md"
+cat "$HEAD_OUT/eval/report.md"

@@ -6,7 +6,7 @@ sequence law of the first L new tokens spreads over many outcomes (exactly enume
 Drafters (each made close to the target, so drafts are often accepted AND often rejected, which is what
 gives a test power): EAGLE-3 chain and dynamic tree, Medusa (static top-k tree), MTP, a separate draft model
 (a perturbed copy of the target), self-speculative (the target's first layers), n-gram (on a prompt with
-repeats). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
+repeats), the DFlash block drafter (trained briefly on the toy target, then sharpened). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
 exact law by Pearson's chi-square (`drafters_common.chi_square`, cells with expected count < 5 pooled); the
 test fails when p < ALPHA = 0.01, so its false-alarm rate is <= 0.01.
 
@@ -32,6 +32,8 @@ lambda = stat - df, and the power P(noncentral chi-square(df, lambda) > critical
     self_spec     1.3  26  20.4 |  81.7  0.993                 | n/a
     ngram         0.7  23  28.4 |  92.7  1.000                 | 92.7  1.000
     ngram         1.3  26  32.2 |  97.8  1.000                 | 97.8  1.000
+    dflash        0.7  23  28.1 | 132.3  1.000                 | n/a
+    dflash        1.3  26  31.8 |  96.3  0.999                 | n/a
 
 (With only deterministic drafts the two biased rules coincide.) A drafter reporting a q that is not the law
 it sampled from (softmax(l) for a draw from softmax(l / T)) and verify rows built without top-p are planted by
@@ -50,10 +52,10 @@ from drafters_common import chi_square, chi_square_power, chi_square_pvalue, exa
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import eval.decoder as decoder
-from data.features import forward_features
+from data.features import forward_features, greedy_ids
 from data.target import target_io
 from eval.drafters import ModelDrafter, NgramDrafter, self_speculative_drafter
-from heads import eagle, medusa, mtp
+from heads import dflash, eagle, medusa, mtp
 
 V, L, K, N = 12, 3, 2, 400
 Q_DRAWS, SUPPORT_DRAWS = 500, 100
@@ -63,7 +65,7 @@ ALPHA = 0.01
 # passes both accept and reject often, and a wrong rejection rule shows (see the power table).
 SHARP = 4.0
 PROMPT = [1, 5, 3, 9, 1, 5, 3, 9, 1]
-DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram"]
+DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram", "dflash"]
 TEMPERATURES = [0.7, 1.3]
 
 
@@ -116,6 +118,8 @@ def build_toy():
         _noisy(draft_model, 0.05, 4)
         draft_model.lm_head.weight.mul_(SHARP)
 
+    dfl = _trained_dflash(model, io)
+
     def gen(seed: int) -> torch.Generator:
         return torch.Generator().manual_seed(seed)
 
@@ -127,8 +131,34 @@ def build_toy():
         "draft_model": lambda i: ModelDrafter(draft_model, generator=gen(10_000 + i)),
         "self_spec": lambda i: self_speculative_drafter(model, 2, generator=gen(10_000 + i)),
         "ngram": lambda i: NgramDrafter(),
+        "dflash": lambda i: dflash.drafter(dfl, io, generator=gen(10_000 + i)),
     }
     return model, io, makers
+
+
+def _trained_dflash(model, io):
+    """A DFlash head (layers 1-3 captured, one layer, blocks of 4, the target's lm_head) trained briefly on the
+    toy target's own distributions: a block drafter can only approximate p(x_{n+i} | prefix) by learning it,
+    and a q near p (not equal) is what makes passes both accept and reject with overlapping q and p; its
+    logits are then sharpened by SHARP like the other drafters' (a rejected q-heavy token leaves a residual
+    far from p, which is what shows a wrong rejection rule)."""
+    torch.manual_seed(5)
+    head = dflash.build(dflash.DFlashConfig(layer_ids=[1, 2, 3], draft_vocab_size=V, block_size=4, anchors=8), io)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(model.lm_head.weight)
+    ids = torch.randint(0, V, (16, 16))
+    feats, _ = forward_features(model, ids, None, [1, 2, 3])
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "last": feats.last, "aux": feats.aux,
+             "target_argmax": greedy_ids(model, feats.last).long()}
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(100):
+        loss, _ = dflash.loss(head, batch, io)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():  # then sharper than the target, as the other drafters here (see SHARP)
+        head.lm_head.weight.mul_(SHARP)
+    return head.eval()
 
 
 def sample(toy, name: str, temperature: float, samples: int = N,
@@ -159,7 +189,7 @@ def test_speculative_sampling_is_exact_on_the_static_cache(toy, name):
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize("name", ["eagle_chain", "mtp", "draft_model", "self_spec"])
+@pytest.mark.parametrize("name", ["eagle_chain", "mtp", "draft_model", "self_spec", "dflash"])
 def test_drafted_tokens_follow_the_reported_q(toy, name, temperature):
     """A chain drafter's first token is drawn from exactly the q it hands the verifier (min(1, p/q) needs it).
 

@@ -44,7 +44,7 @@ reaches all of them, and declares the two families, `FAMILIES`, for heads.regist
     config.py   Eagle1Config, Eagle3Config, TokenLossConfig, feature_layers, default_layer_ids, resolved_draft_vocab
     model.py    the re-implemented Llama layer (RMSNorm, Attention, MLP, DecoderLayer), ttt_attention,
                 masked_attention, rotary, Eagle1Head, Eagle3Head, build
-    vocab.py    the draft vocabulary (draft_vocab_from_counts, token_counts) and prepare
+    vocab.py    the draft vocabulary (draft_vocab_from_counts, token_counts), prepare, final_norm_scale
     losses.py   loss (EAGLE-1 and EAGLE-3 TTT), token_loss, step_alignment
     drafting.py EagleDrafter (chain / EAGLE-2 dynamic tree of Candidate nodes), drafter, drafter_factory, TREES
 

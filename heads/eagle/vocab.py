@@ -65,12 +65,18 @@ def prepare(cfg: HeadConfig, dataset: Any, target: TargetIO) -> dict[str, torch.
     weight = getattr(target.lm_head, "weight", None)
     if weight is not None and tuple(weight.shape) == (target.vocab_size, target.hidden_size):
         rows = weight.detach().float().cpu()[torch.arange(n) + d2t]
-        if target.norm is not None and getattr(target.norm, "bias", None) is None:
-            with torch.no_grad():
-                p = next(target.norm.parameters(), None)
-                ones = torch.ones(1, target.hidden_size, dtype=p.dtype if p is not None else torch.float32,
-                                  device=p.device if p is not None else "cpu")
-                scale = target.norm(ones).float().cpu().reshape(-1)
-            rows = rows * scale[None, :]
-        out["lm_head.weight"] = rows
+        scale = final_norm_scale(target)
+        out["lm_head.weight"] = rows if scale is None else rows * scale[None, :]
     return out
+
+
+def final_norm_scale(target: TargetIO) -> torch.Tensor | None:
+    """The target's final-norm scale per hidden unit [H] (its output on an all-ones input, whose RMS is 1;
+    covers a plain `w` and Gemma's `1 + w` alike), or None for a norm with a bias or no norm."""
+    if target.norm is None or getattr(target.norm, "bias", None) is not None:
+        return None
+    with torch.no_grad():
+        p = next(target.norm.parameters(), None)
+        ones = torch.ones(1, target.hidden_size, dtype=p.dtype if p is not None else torch.float32,
+                          device=p.device if p is not None else "cpu")
+        return target.norm(ones).float().cpu().reshape(-1)

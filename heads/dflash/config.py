@@ -1,0 +1,65 @@
+"""The DFlash block drafter's config and what it resolves to for a target: captured layers, draft vocab, mask id.
+
+    DFlashConfig                          the `head:` section of a run config (family dflash)
+    feature_layers(cfg, target_config)    hidden_states indices the head reads as `aux` (EAGLE-3's rule and
+                                          default, so one offline store serves both families)
+    resolved_mask_token(cfg, vocab)       the token id whose (frozen, shared) embedding fills the masked slots
+    loss_weights(cfg)                     the per-block-position loss weights
+
+Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from heads.base import HeadConfig
+from heads.eagle.config import feature_layers as eagle_feature_layers
+
+
+@dataclass
+class DFlashConfig(HeadConfig):
+    family: str = "dflash"
+    layer_ids: list[int] | None = None  # hidden_states indices; null = EAGLE-3's [2, L//2, L-3] (same store)
+    num_layers: int = 1  # draft decoder layers (z-lab's Qwen3-8B drafter has 5)
+    block_size: int = 8  # B: one pass proposes B - 1 tokens (slot 0 holds the anchor; speculators default 8)
+    draft_vocab_size: int | None = None  # null = min(32000, target vocab), as EAGLE-3
+    mask_token_id: int | None = None  # null = the target's last id (its embedding row fills the masked slots)
+    anchors: int = 16  # anchor positions sampled per sequence per training step
+    decay_gamma: float = 4.0  # block slot k >= 1 weighted exp(-(k-1)/gamma) (speculators' default for B = 8)
+    intermediate_size: int | None = None  # draft MLP width; null = the target's
+
+
+def feature_layers(cfg: HeadConfig, target_config: Any) -> list[int]:
+    """The captured layers: EAGLE-3's validation and default ([2, L//2, L-3]) on cfg.layer_ids."""
+    return eagle_feature_layers(cfg, target_config)
+
+
+def check(cfg: DFlashConfig, vocab_size: int) -> None:
+    """Refuse a config no head can be built from (ValueError naming the key)."""
+    if cfg.block_size < 2:
+        raise ValueError(f"head.block_size {cfg.block_size}: must be >= 2 (slot 0 is the anchor)")
+    if cfg.num_layers < 1:
+        raise ValueError(f"head.num_layers {cfg.num_layers}: must be >= 1")
+    if cfg.anchors < 1:
+        raise ValueError(f"head.anchors {cfg.anchors}: must be >= 1")
+    if cfg.decay_gamma <= 0:
+        raise ValueError(f"head.decay_gamma {cfg.decay_gamma}: must be > 0")
+    resolved_mask_token(cfg, vocab_size)
+
+
+def resolved_mask_token(cfg: DFlashConfig, vocab_size: int) -> int:
+    """The mask token id (default: the target's last id), refused outside the target vocab."""
+    m = vocab_size - 1 if cfg.mask_token_id is None else int(cfg.mask_token_id)
+    if not 0 <= m < vocab_size:
+        raise ValueError(f"head.mask_token_id {m}: must be in 0..{vocab_size - 1} (the target vocab)")
+    return m
+
+
+def loss_weights(cfg: DFlashConfig) -> list[float]:
+    """w_0 = 0 (the anchor slot predicts nothing), w_k = exp(-(k-1)/gamma) for k = 1..B-1.
+
+    Worked example, B = 4, gamma = 4: [0, 1, 0.7788, 0.6065]."""
+    return [0.0] + [math.exp(-(k - 1) / cfg.decay_gamma) for k in range(1, cfg.block_size)]

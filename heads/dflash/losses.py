@@ -1,0 +1,124 @@
+"""DFlash training: several anchors per sequence per step, each a block [anchor, mask x (B-1)] trained in one pass.
+
+The alignment (speculators' DFlash recipe, `sample_from_anchor` false; see `block_alignment`): a block anchored
+at position a holds token x_a at slot 0 and the mask token at slots 1..B-1, at RoPE positions a..a+B-1. It
+attends to the context features at positions < a (what the target has processed when x_a is the newly
+sampled token) and, bidirectionally, to its own B slots; no block sees another block. Slot k >= 1 predicts
+x_{a+k}: its soft label is the target's draft-vocab distribution at position a+k-1, its mask
+loss_mask[a+k] times t2d[the target's argmax at a+k-1] (the EAGLE-3 rule), its weight w_k =
+exp(-(k-1)/gamma) (heads.dflash.config.loss_weights; slot 0 predicts nothing).
+
+    loss = sum_{b, anchors, k} w_k * mask * CE(p, q) / (number of masked-in slots)
+
+Anchors: `anchors` positions per sequence drawn uniformly, without replacement, among a in 1..T-2 with
+loss_mask[a+1] = 1 (the first drafted token is supervised; a >= 1 leaves a context); a sequence with fewer
+such positions has its extra anchors flagged invalid (masked out of the loss).
+
+Metrics: `top1/{k-1}` = share of masked-in slots k (target argmax outside the draft vocab counted as misses)
+where the draft's argmax equals the target's argmax; `n/{k-1}` their count.
+
+Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from heads.dflash.model import DFlashHead
+from heads.eagle.losses import _draft_vocab_logits  # EAGLE-3's soft labels (draft-vocab rows only)
+from heads.types import TargetIO
+
+
+def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors [B, n] ascending, valid [B, n]): n distinct positions a in 1..T-2 with loss_mask[a+1] per row.
+
+    Worked example, loss_mask [0 0 1 1 0], n = 2: eligible a = 1, 2 -> anchors [1, 2], valid [T, T]; with
+    n = 3 the third is invalid (set to 1, masked out)."""
+    b, t = loss_mask.shape
+    ok = torch.zeros(b, t, dtype=torch.bool, device=loss_mask.device)
+    if t >= 3:
+        ok[:, 1 : t - 1] = loss_mask[:, 2:] > 0
+    score = torch.rand(b, t, generator=generator, device="cpu").to(loss_mask.device)
+    score = torch.where(ok, score, torch.full_like(score, -1.0))
+    top = score.topk(min(n, t), dim=1)
+    valid = top.values >= 0
+    anchors = torch.where(valid, top.indices, torch.ones_like(top.indices))
+    if n > t:  # more anchors than positions: pad with invalid ones
+        pad = n - t
+        anchors = torch.cat([anchors, anchors.new_ones(b, pad)], dim=1)
+        valid = torch.cat([valid, valid.new_zeros(b, pad)], dim=1)
+    order = torch.where(valid, anchors, anchors.new_full(anchors.shape, t)).argsort(dim=1)
+    return anchors.gather(1, order), valid.gather(1, order)
+
+
+def block_alignment(anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot positions a + k, label positions a + k - 1), each [B, n, block_size].
+
+    Worked example, anchor 5, B = 4: slots at positions [5 6 7 8] (tokens x5, mask, mask, mask) predict
+    x6, x7, x8 from the target's distributions at [_ 5 6 7] (slot 0 predicts nothing)."""
+    slots = anchors[..., None] + torch.arange(block_size, device=anchors.device)
+    return slots, slots - 1
+
+
+def block_mask(anchors: torch.Tensor, block_size: int, context: int) -> torch.Tensor:
+    """[B, 1, n*bs, context + n*bs] bool: a slot of anchor a sees context positions < a and its own block."""
+    b, n = anchors.shape
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [B, n*bs]
+    sees_ctx = torch.arange(context, device=anchors.device)[None, None, :] < q_anchor[..., None]
+    blk = torch.arange(n * block_size, device=anchors.device) // block_size
+    own = (blk[:, None] == blk[None, :]).expand(b, -1, -1)
+    return torch.cat([sees_ctx, own], dim=-1)[:, None]
+
+
+def block_logits(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch.Tensor) -> torch.Tensor:
+    """Draft-vocab logits [B, n, block_size, DV] of the blocks anchored at `anchors` [B, n] (one pass)."""
+    ids, aux = batch["input_ids"], batch["aux"]
+    b, t = ids.shape
+    n, bs = anchors.shape[1], head.block_size
+    ctx_kv = head.context_kv(aux, torch.arange(t, device=ids.device).expand(b, t), target)
+    emb = head.block_embeddings(ids.gather(1, anchors), target).reshape(b, n * bs, -1)
+    slots, _ = block_alignment(anchors, bs)
+    h = head.block_states(emb, slots.reshape(b, n * bs), ctx_kv, block_mask(anchors, bs, t), target)
+    return head.logits(h).float().reshape(b, n, bs, -1)
+
+
+def block_loss(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch.Tensor, valid: torch.Tensor,
+               weights: list[float]) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss and metrics of the blocks at `anchors` (see the module docstring)."""
+    ids, lmask = batch["input_ids"], batch["loss_mask"].float()
+    b, t = ids.shape
+    bs = head.block_size
+    slots, labels = block_alignment(anchors, bs)
+    inside = (slots < t) & valid[..., None]
+    lab = labels.clamp(0, t - 1).reshape(b, -1)
+    draft_ids = head.draft_ids()
+    with torch.no_grad():
+        last = batch["last"].gather(1, lab[..., None].expand(-1, -1, batch["last"].shape[-1]))
+        p = _draft_vocab_logits(target, last, draft_ids).softmax(-1).reshape(b, -1, bs, draft_ids.numel())
+        t_arg = batch["target_argmax"].long().gather(1, lab).reshape(b, -1, bs)
+        mask_tok = lmask.gather(1, slots.clamp(max=t - 1).reshape(b, -1)).reshape(b, -1, bs) * inside
+        mask_tok[..., 0] = 0  # slot 0 holds the anchor: it predicts nothing
+        mask = mask_tok * head.t2d[t_arg].float()
+    logits = block_logits(head, batch, target, anchors)
+    ce = -(p * logits.log_softmax(-1)).sum(-1)
+    w = torch.tensor(weights, device=ce.device)
+    total = (w * mask * ce).sum() / mask.sum().clamp(min=1.0)
+    metrics: dict[str, float] = {}
+    with torch.no_grad():
+        hit = (draft_ids[logits.argmax(-1)] == t_arg).float() * mask_tok
+        for k in range(1, bs):
+            cnt = float(mask_tok[..., k].sum())
+            metrics[f"top1/{k - 1}"] = float(hit[..., k].sum()) / max(cnt, 1.0)
+            metrics[f"n/{k - 1}"] = cnt
+    return total, metrics
+
+
+def loss(head: DFlashHead, batch: dict, target: TargetIO) -> tuple[torch.Tensor, dict[str, float]]:
+    """Training loss and metrics on a feature batch: `head.anchors` random anchors per sequence."""
+    if not isinstance(head, DFlashHead):
+        raise TypeError(f"heads.dflash.loss: not a DFlash head: {type(head).__name__}")
+    if batch.get("aux") is None:
+        raise ValueError("DFlash needs `aux` features (the captured layers)")
+    anchors, valid = sample_anchors(batch["loss_mask"], head.anchors)
+    return block_loss(head, batch, target, anchors, valid, head.weights)

@@ -1,0 +1,179 @@
+"""The DFlash block drafter's modules: Qwen3-style draft layers over the target's fused context features.
+
+The function (vLLM `qwen3_dflash.py` / z-lab `dflash/model.py` / speculators `DFlashDraftModel`, the layer
+names theirs; the equations in heads/dflash/__init__.py's docstring):
+
+    c_p = hidden_norm(fc(A_p))        A_p = the captured target layers at position p; once, for every layer
+    per layer l: K/V of the context   k_norm(k_proj_l(c_p)), v_proj_l(c_p), RoPE at p   (no input_layernorm)
+                 K/V of the block     k_norm(k_proj_l(x_i)), v_proj_l(x_i), x = input_layernorm(h)
+                 queries              q_norm(q_proj_l(x_i)) (per-head RMSNorm, then RoPE)
+    h <- h + o_proj(attn(q; context keys, block keys));  h <- h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))         lm_head: the target's rows of the draft vocab, frozen
+
+The Llama pieces are EAGLE's (heads/eagle/model.py: RMSNorm, Attention's projections, MLP, rotary); the
+attention is SDPA with grouped KV heads (enable_gqa); q_norm/k_norm are what the engines' Qwen3-style layer adds.
+
+    build(cfg, target) -> DFlashHead
+    prepare(cfg, dataset, target) -> {d2t, t2d, lm_head.weight, norm.weight}   draft vocab, target's rows
+        context_kv(aux, positions, target) -> [(k, v) per layer]   the context's keys/values
+        block_states(emb, positions, ctx_kv, mask, target) -> h    the block through every layer (pre-norm)
+        logits(h)                                                  over the draft vocab
+
+Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.base import HeadConfig
+from heads.dflash.config import DFlashConfig, check, feature_layers, loss_weights, resolved_mask_token
+from heads.eagle.config import resolved_draft_vocab
+from heads.eagle.model import MLP, Attention, Eagle3Head, RMSNorm, _rope, rotary  # _rope: reused, not copied
+from heads.eagle.vocab import draft_vocab_from_counts, final_norm_scale, token_counts
+from heads.types import TargetIO
+
+
+class DFlashAttention(Attention):
+    """EAGLE's q/k/v/o projections plus the per-head q_norm/k_norm of the engines' Qwen3-style layer."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__(hidden, hidden, heads, kv_heads, head_dim)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return _rope(self.q_norm(self._split(self.q_proj(x), self.heads)), cos, sin)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = _rope(self.k_norm(self._split(self.k_proj(x), self.kv_heads)), cos, sin)
+        return k, self._split(self.v_proj(x), self.kv_heads)
+
+
+class DFlashLayer(nn.Module):
+    """One draft layer: pre-norm attention over [context keys, block keys], then the MLP."""
+
+    def __init__(self, config: Any, inter: int):
+        super().__init__()
+        h = int(config.hidden_size)
+        heads = int(config.num_attention_heads)
+        kv = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or h // heads)
+        eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.self_attn = DFlashAttention(h, heads, kv, head_dim, eps)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = MLP(h, inter, getattr(config, "hidden_act", "silu"))
+
+    def forward(self, h: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """h [B, N, H] block states; ctx (k, v) [B, kv, T, d]; mask [.., N, T + N] (True = may attend), None =
+        every key (drafting: one block over the whole context, so no mask is built or applied)."""
+        x = self.input_layernorm(h)
+        attn = self.self_attn
+        kb, vb = attn.key_value(x, cos, sin)
+        k, v = torch.cat([ctx[0], kb], dim=2), torch.cat([ctx[1], vb], dim=2)
+        # grouped KV heads attended in place (enable_gqa), not repeated: the block pass is a few rows
+        a = F.scaled_dot_product_attention(attn.query(x, cos, sin), k, v, attn_mask=mask, enable_gqa=True)
+        h = h + attn.out(a)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashHead(nn.Module):
+    """fc, hidden_norm, layers.{l}, norm, lm_head (frozen target rows) and the draft vocab maps d2t / t2d."""
+
+    family = "dflash"
+    # The draft-vocab maps are EAGLE-3's (same d2t/t2d convention): target id = draft id + d2t[draft id].
+    draft_ids = Eagle3Head.draft_ids
+    to_target_ids = Eagle3Head.to_target_ids
+    to_target_probs = Eagle3Head.to_target_probs
+
+    def __init__(self, cfg: DFlashConfig, config: Any, layer_ids: list[int]):
+        super().__init__()
+        h, vocab = int(config.hidden_size), int(config.vocab_size)
+        draft_vocab = resolved_draft_vocab(cfg, vocab)
+        eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.layer_ids = list(layer_ids)
+        self.block_size, self.anchors = cfg.block_size, cfg.anchors
+        self.weights = loss_weights(cfg)  # per block slot (heads.dflash.losses)
+        self.mask_token_id = resolved_mask_token(cfg, vocab)
+        self.fc = nn.Linear(len(layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, eps)
+        inter = int(cfg.intermediate_size or config.intermediate_size)
+        self.layers = nn.ModuleList([DFlashLayer(config, inter) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(h, eps)
+        # The target's LM head restricted to the draft vocab (`prepare` copies the rows): frozen, as the
+        # engines and speculators share it; stored so that an export carries exactly the rows drafted with.
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False).requires_grad_(False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[:draft_vocab] = True
+        self.register_buffer("t2d", t2d)
+
+    def context_kv(self, aux: torch.Tensor, positions: torch.Tensor,
+                   target: TargetIO) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's keys/values of the context c = hidden_norm(fc(aux)) [B, T, n*H] at positions [B, T]."""
+        c = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
+        cos, sin = rotary(target, c, positions)
+        return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
+
+    def block_states(self, emb: torch.Tensor, positions: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                     mask: torch.Tensor | None, target: TargetIO) -> torch.Tensor:
+        """The block's embeddings [B, N, H] at positions [B, N] through every layer (pre-norm output)."""
+        h = emb.to(self.fc.weight.dtype)
+        cos, sin = rotary(target, h, positions)
+        for layer, ctx in zip(self.layers, ctx_kv):
+            h = layer(h, ctx, cos, sin, mask)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    def block_embeddings(self, anchors: torch.Tensor, target: TargetIO) -> torch.Tensor:
+        """[anchor, mask x (B-1)] embedded by the target, per anchor token id: [*anchors.shape, B, H]."""
+        ids = torch.full((*anchors.shape, self.block_size), self.mask_token_id, dtype=torch.long,
+                         device=anchors.device)
+        ids[..., 0] = anchors
+        dev = next(target.embed.parameters()).device
+        with torch.no_grad():
+            return target.embed(ids.to(dev)).to(self.fc.weight.device)
+
+
+def _init(module: nn.Module, std: float) -> None:
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+
+
+def build(cfg: HeadConfig, target: TargetIO) -> DFlashHead:
+    """A fresh DFlash head for `target` (float32; the loop casts as configured)."""
+    if cfg.family != "dflash":
+        raise ValueError(f"heads.dflash cannot build family '{cfg.family}'")
+    check(cfg, target.vocab_size)
+    head = DFlashHead(cfg, target.config, feature_layers(cfg, target.config))
+    _init(head, float(getattr(target.config, "initializer_range", 0.02)))
+    return head
+
+
+def prepare(cfg: HeadConfig, dataset: Any, target: TargetIO) -> dict[str, torch.Tensor]:
+    """The data-derived head tensors: EAGLE-3's draft vocabulary (`d2t`/`t2d`, the most frequent loss-masked
+    training tokens), `lm_head.weight` = the target's lm_head rows of those ids (frozen from then on) and
+    `norm.weight` = the target's final-norm scale (trainable)."""
+    n = resolved_draft_vocab(cfg, target.vocab_size)
+    d2t, t2d = draft_vocab_from_counts(token_counts(dataset, target.vocab_size), n)
+    out = {"d2t": d2t, "t2d": t2d}
+    weight = getattr(target.lm_head, "weight", None)
+    if weight is not None and tuple(weight.shape) == (target.vocab_size, target.hidden_size):
+        out["lm_head.weight"] = weight.detach().float().cpu()[torch.arange(n) + d2t]
+    scale = final_norm_scale(target)
+    if scale is not None:  # so that the draft's logits start as the target's own on the same hidden state
+        out["norm.weight"] = scale
+    return out

@@ -1,0 +1,349 @@
+"""DFlash block drafter: alignment worked examples, shapes, the loss against a direct computation (an
+independent re-implementation of the engines' forward equations, `reference_block_logits`), one-batch
+overfitting, training blocks equal to drafting blocks, greedy decoding identical to the target's (alone,
+adaptive, hybrid with n-gram), and the export to vLLM's speculators DFlash layout (spec-checked, round trip to
+identical tensors and decoding, the reference forward on the exported tensors matching our drafter).
+
+Planted bugs each fail here (checked once by hand, see the issue report): a causal mask inside the block
+(`block_mask`), a block seeing the context at its own anchor (`<` -> `<=` in `block_mask`), labels shifted by
+one (`block_alignment` returning `slots` as label positions).
+
+    .venv/bin/python -m pytest -q tests/test_dflash.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data.features import forward_features, greedy_ids
+from heads import dflash
+from heads.base import load_head, save_head
+
+LAYERS = [1, 2, 3]
+
+
+def _head(io, seed: int = 0, lively: bool = True, **kw):
+    torch.manual_seed(seed)
+    cfg = dflash.DFlashConfig(layer_ids=LAYERS, draft_vocab_size=kw.pop("draft_vocab_size", 200), block_size=4,
+                              num_layers=2, anchors=3, **kw)
+    head = dflash.build(cfg, io)
+    ids = torch.arange(0, 2 * head.d2t.numel(), 2) % io.vocab_size  # a non-trivial draft vocab
+    ids = ids.unique()[: head.d2t.numel()]
+    with torch.no_grad():
+        head.d2t.copy_(ids - torch.arange(ids.numel()))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+        head.lm_head.weight.copy_(io.lm_head.weight[ids])
+        # Weights well away from init (and a sharp final norm), so that a wrong mask or label moves the
+        # logits and the loss by far more than the tests' tolerances.
+        for p in head.parameters() if lively else ():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+        head.norm.weight.mul_(20.0 if lively else 1.0)
+    return cfg, head
+
+
+def _batch(model, ids, loss_mask=None):
+    feats, _ = forward_features(model, ids, None, LAYERS)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "loss_mask": torch.ones_like(ids) if loss_mask is None else loss_mask,
+            "last": feats.last, "aux": feats.aux, "target_argmax": greedy_ids(model, feats.last).long()}
+
+
+# ----------------------------------------------------------------------------------------------- reference
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, pos, theta):
+    d = x.shape[-1]
+    ang = pos.double()[:, None] / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).float(), torch.cat([ang.sin()] * 2, -1).float()
+    return x * cos[:, None] + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin[:, None]
+
+
+def reference_block_logits(sd: dict, layer: dict, aux: torch.Tensor, embed: torch.Tensor, anchor: int,
+                           mask_id: int, block: int) -> torch.Tensor:
+    """The engines' DFlash forward written out from the equations (no project code): logits [block, DV] of
+    the block [anchor, mask x (block-1)] at positions n..n+block-1 over the context aux [n, k*H]."""
+    eps, nh, nkv = layer["rms_norm_eps"], layer["num_attention_heads"], layer["num_key_value_heads"]
+    d, theta = layer["head_dim"], layer["rope_theta"]
+    n = aux.shape[0]
+    c = _rms(aux @ sd["fc.weight"].T, sd["hidden_norm.weight"], eps)
+    h = embed[torch.tensor([anchor] + [mask_id] * (block - 1))]
+    pc, pb = torch.arange(n), torch.arange(n, n + block)
+    for i in range(layer["num_hidden_layers"]):
+        w = {k.split(f"layers.{i}.", 1)[1]: v for k, v in sd.items() if k.startswith(f"layers.{i}.")}
+        x = _rms(h, w["input_layernorm.weight"], eps)
+        q = _rope(_rms((x @ w["self_attn.q_proj.weight"].T).view(block, nh, d), w["self_attn.q_norm.weight"], eps), pb, theta)
+
+        def kv(src, pos, w=w):
+            k = _rms((src @ w["self_attn.k_proj.weight"].T).view(len(pos), nkv, d), w["self_attn.k_norm.weight"], eps)
+            return _rope(k, pos, theta), (src @ w["self_attn.v_proj.weight"].T).view(len(pos), nkv, d)
+
+        (kc, vc), (kb, vb) = kv(c, pc), kv(x, pb)
+        k = torch.cat([kc, kb]).repeat_interleave(nh // nkv, 1)
+        v = torch.cat([vc, vb]).repeat_interleave(nh // nkv, 1)
+        att = torch.einsum("qhd,khd->hqk", q, k).div(math.sqrt(d)).softmax(-1)
+        h = h + torch.einsum("hqk,khd->qhd", att, v).reshape(block, nh * d) @ w["self_attn.o_proj.weight"].T
+        x2 = _rms(h, w["post_attention_layernorm.weight"], eps)
+        h = h + (F.silu(x2 @ w["mlp.gate_proj.weight"].T) * (x2 @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+    return _rms(h, sd["norm.weight"], eps) @ sd["lm_head.weight"].T
+
+
+def _layer(io, head) -> dict:
+    tc = io.config
+    nh = int(tc.num_attention_heads)
+    return {"rms_norm_eps": float(tc.rms_norm_eps), "num_attention_heads": nh,
+            "num_key_value_heads": int(tc.num_key_value_heads), "head_dim": int(tc.hidden_size) // nh,
+            "rope_theta": float(getattr(tc, "rope_theta", None) or tc.rope_parameters["rope_theta"]),
+            "num_hidden_layers": len(head.layers)}
+
+
+# ----------------------------------------------------------------------------------------------- alignment
+def test_worked_examples():
+    assert [round(w, 4) for w in dflash.loss_weights(dflash.DFlashConfig(block_size=4))] == [0.0, 1.0, 0.7788, 0.6065]
+    slots, labels = dflash.block_alignment(torch.tensor([[5]]), 4)
+    assert slots.tolist() == [[[5, 6, 7, 8]]] and labels[..., 1:].tolist() == [[[5, 6, 7]]]
+    anchors, valid = dflash.sample_anchors(torch.tensor([[0, 0, 1, 1, 0]]), 3, torch.Generator().manual_seed(0))
+    assert anchors[0, :2].tolist() == [1, 2] and valid.tolist() == [[True, True, False]]
+    m = dflash.block_mask(torch.tensor([[2, 4]]), 2, 5)[0, 0]
+    assert m[:, :5].int().tolist() == [[1, 1, 0, 0, 0]] * 2 + [[1, 1, 1, 1, 0]] * 2  # context < anchor
+    assert m[:, 5:].int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]  # own block, both ways
+
+
+def test_shapes_and_drafts(tiny_target):
+    model, _, io = tiny_target
+    _, head = _head(io)
+    batch = _batch(model, torch.randint(0, io.vocab_size, (2, 12)))
+    logits = dflash.block_logits(head, batch, io, torch.tensor([[1, 4, 7], [2, 3, 9]]))
+    assert logits.shape == (2, 3, 4, head.d2t.numel())
+    loss, metrics = dflash.loss(head, batch, io)
+    assert loss.ndim == 0 and torch.isfinite(loss) and set(metrics) == {"top1/0", "top1/1", "top1/2", "n/0", "n/1", "n/2"}
+    d = dflash.drafter(head, io)
+    prompt = batch["input_ids"][:1, :8]
+    d.begin(prompt, forward_features(model, prompt, None, LAYERS)[0], 5)
+    assert len(d.draft(2, 0.0)) == 2 and len(d.draft(9, 0.0)) == 3  # at most block_size - 1
+    tree = d.draft(3, 1.0)
+    assert tree.probs.shape == (3, io.vocab_size) and bool(head.t2d[tree.tokens].all())
+
+
+def test_loss_matches_a_direct_computation(tiny_target):
+    """block_loss against the blocks computed one anchor at a time by the reference forward, with soft labels
+    from the target's own logits (model(ids)), not from the stored `last` features."""
+    model, _, io = tiny_target
+    cfg, head = _head(io)
+    ids = torch.randint(0, io.vocab_size, (2, 12))
+    lmask = torch.ones_like(ids)
+    lmask[:, :3] = 0
+    lmask[1, 10:] = 0
+    batch = _batch(model, ids, lmask)
+    anchors, valid = torch.tensor([[2, 5, 9], [1, 6, 8]]), torch.tensor([[True, True, True], [True, True, False]])
+    got, _ = dflash.block_loss(head, batch, io, anchors, valid, dflash.loss_weights(cfg))
+    sd = {k: v.detach() for k, v in head.state_dict().items()}
+    draft_ids = head.draft_ids()
+    with torch.no_grad():
+        tl = model(ids).logits.float()
+    num, den = 0.0, 0.0
+    for b in range(2):
+        for a, ok in zip(anchors[b].tolist(), valid[b].tolist()):
+            ref = reference_block_logits(sd, _layer(io, head), batch["aux"][b, :a], io.embed.weight.detach(),
+                                         int(ids[b, a]), head.mask_token_id, 4)
+            for k in range(1, 4):
+                if not ok or a + k >= 12 or not lmask[b, a + k] or not head.t2d[tl[b, a + k - 1].argmax()]:
+                    continue
+                p = tl[b, a + k - 1, draft_ids].softmax(-1)
+                num += math.exp(-(k - 1) / cfg.decay_gamma) * float(-(p * ref[k].log_softmax(-1)).sum())
+                den += 1
+    assert den >= 8
+    assert abs(float(got.detach()) - num / den) < 1e-4 * max(1.0, num / den)
+
+
+def test_training_blocks_equal_drafting_blocks(tiny_target):
+    """A block trained at anchor a is exactly what the drafter proposes after the prefix x_{<a}."""
+    model, _, io = tiny_target
+    _, head = _head(io)
+    ids = torch.randint(0, io.vocab_size, (1, 14))
+    batch = _batch(model, ids)
+    anchors = torch.tensor([[3, 6, 10]])
+    train = dflash.block_logits(head, batch, io, anchors)
+    for j, a in enumerate(anchors[0].tolist()):
+        d = dflash.drafter(head, io)
+        d.begin(ids[:, :a], forward_features(model, ids[:, :a], None, LAYERS)[0], int(ids[0, a]))
+        torch.testing.assert_close(d.block_logits(), train[0, j, 1:], rtol=1e-4, atol=1e-5)
+
+
+def test_one_batch_overfit(tiny_target):
+    """Fixed anchors (every eligible position), Adam: the loss falls toward its floor and the draft's argmax
+    learns the target's at every slot. The random target's LM head is sharpened (x 30, same argmax) so that
+    its soft labels are far from uniform and the cross-entropy has room to fall."""
+    import copy
+    import dataclasses
+
+    model, _, io = tiny_target
+    lm = copy.deepcopy(io.lm_head)
+    with torch.no_grad():
+        lm.weight.mul_(30.0)
+    io = dataclasses.replace(io, lm_head=lm)
+    cfg, head = _head(io, lively=False, draft_vocab_size=io.vocab_size)
+    batch = _batch(model, torch.randint(0, io.vocab_size, (2, 16)))
+    anchors, valid = torch.arange(1, 15).expand(2, 14), torch.ones(2, 14, dtype=torch.bool)
+    weights = dflash.loss_weights(cfg)
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(150):
+        loss, metrics = dflash.block_loss(head, batch, io, anchors, valid, weights)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.3 * losses[0], losses[::10]
+    assert min(metrics[f"top1/{k}"] for k in range(3)) > 0.75, metrics  # chance: 1/259
+    assert head.lm_head.weight.grad is None  # the shared LM head stays frozen
+
+
+@pytest.mark.parametrize("mode", ["alone", "adaptive", "hybrid"])
+def test_greedy_speculative_output_equals_plain_decoding(tiny_target, mode):
+    from drafters_common import hf_greedy
+
+    from eval.costs import DraftCost, VerifyCost
+    from eval.decoder import speculative_generate
+    from eval.drafters import HybridDrafter
+    from eval.policy import AdaptivePolicy
+
+    model, _, io = tiny_target
+    _, head = _head(io, seed=1)
+    prompt = torch.randint(0, io.vocab_size, (1, 10))
+    ref, eos = hf_greedy(model, prompt, 24)
+    d = dflash.drafter(head, io)
+    policy = None
+    if mode == "hybrid":
+        d = HybridDrafter(d)
+    if mode != "alone":
+        verify = VerifyCost({n: 1e-3 * (1 + 0.1 * n) for n in range(1, 20)}, 16)
+        names = ("head", "ngram") if mode == "hybrid" else ("draft",)
+        policy = AdaptivePolicy(verify, {s: DraftCost(1e-4, 0.0) for s in names}, {s: [0.6, 0.5, 0.4] for s in names})
+    out, stats = speculative_generate(model, prompt, d, k=3, max_new_tokens=24, eos_token_id=eos, policy=policy)
+    assert out.tolist() == ref.tolist()
+    assert stats.tau >= 1.0
+
+
+def test_prepare_takes_the_draft_vocab_lm_head_rows_and_final_norm_from_the_target(tiny_target):
+    import datasets
+
+    model, _, io = tiny_target
+    ds = datasets.Dataset.from_dict({"input_ids": [[5, 7, 7, 9, 9, 9]], "loss_mask": [[0, 1, 1, 1, 1, 1]]})
+    cfg = dflash.DFlashConfig(layer_ids=LAYERS, draft_vocab_size=2)
+    init = dflash.prepare(cfg, ds, io)
+    assert (torch.arange(2) + init["d2t"]).tolist() == [7, 9] and init["t2d"].nonzero().reshape(-1).tolist() == [7, 9]
+    assert torch.equal(init["lm_head.weight"], io.lm_head.weight.detach()[[7, 9]])
+    torch.testing.assert_close(init["norm.weight"], model.model.norm.weight.detach())
+    head = dflash.build(cfg, io)
+    head.load_state_dict(init, strict=False)
+    assert not head.lm_head.weight.requires_grad and head.norm.weight.requires_grad
+
+
+def test_head_folder_round_trip(tiny_target, tmp_path):
+    model, _, io = tiny_target
+    cfg, head = _head(io)
+    save_head(tmp_path / "h", head, cfg, io)
+    back, cfg2, meta = load_head(tmp_path / "h", io)
+    assert cfg2 == cfg and meta["layer_ids"] == LAYERS
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+
+
+# ----------------------------------------------------------------------------------------------- export
+@pytest.fixture(scope="module")
+def exported(tiny_target, tmp_path_factory):
+    """(native head, its folder, the speculators DFlash export folder)."""
+    from convert import export_head
+
+    _, _, io = tiny_target
+    cfg, head = _head(io, seed=3)
+    root = tmp_path_factory.mktemp("dflash")
+    native = save_head(root / "native", head, cfg, io)
+    return head.eval(), native, export_head(native, "speculators_dflash", root / "vllm", io)
+
+
+def test_export_has_the_vllm_names_and_keys(tiny_target, exported):
+    import json
+
+    from safetensors.torch import load_file
+
+    _, _, io = tiny_target
+    head, _, out = exported
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == LAYERS
+    assert config["block_size"] == 4 and config["mask_token_id"] == head.mask_token_id
+    assert config["sliding_window_non_causal"] is True  # vLLM: dflash_config.causal = not this, on every layer
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3  # block_size - 1
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["use_sliding_window"] is False
+    weights = load_file(str(out / "model.safetensors"))
+    assert sorted(weights) == sorted(head.state_dict())
+    assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.k_norm.weight", "d2t", "t2d"} <= set(weights)
+    assert weights["fc.weight"].shape == (64, 3 * 64)
+
+
+def test_spec_refuses_a_missing_d2t_and_a_wrong_fc(tiny_target, exported):
+    import json
+
+    from safetensors.torch import load_file
+
+    from convert.spec import ExportError, validate
+
+    _, _, io = tiny_target
+    _, _, out = exported
+    config = json.loads((out / "config.json").read_text())
+    weights = load_file(str(out / "model.safetensors"))
+    with pytest.raises(ExportError, match="d2t"):
+        validate("speculators_dflash", config, {k: v for k, v in weights.items() if k != "d2t"}, io)
+    with pytest.raises(ExportError, match="fc.weight"):
+        validate("speculators_dflash", {**config, "aux_hidden_state_layer_ids": [1, 2]}, weights, io)
+
+
+def test_export_import_round_trip_is_identical(tiny_target, exported):
+    from drafters_common import hf_greedy
+
+    from convert import import_folder
+    from eval.decoder import speculative_generate
+
+    model, _, io = tiny_target
+    head, _, out = exported
+    back, cfg, _ = import_folder(out, "speculators_dflash", io)
+    assert cfg.block_size == 4 and cfg.num_layers == 2 and cfg.layer_ids == LAYERS
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+    prompt = torch.randint(0, io.vocab_size, (1, 9))
+    ref, eos = hf_greedy(model, prompt, 16)
+    runs = [speculative_generate(model, prompt, dflash.drafter(h, io), k=3, max_new_tokens=16, eos_token_id=eos)
+            for h in (head, back)]
+    assert runs[0][0].tolist() == runs[1][0].tolist() == ref.tolist()
+    assert runs[0][1].accepted_per_position == runs[1][1].accepted_per_position  # the same drafts accepted
+
+
+def test_reference_forward_on_the_exported_tensors_matches_the_drafter(tiny_target, exported):
+    """The engines' equations (reference_block_logits) on the EXPORTED config and tensors give our drafter's
+    logits, mapped to target ids through the exported d2t."""
+    import json
+
+    from safetensors.torch import load_file
+
+    model, _, io = tiny_target
+    head, _, out = exported
+    config = json.loads((out / "config.json").read_text())
+    sd = load_file(str(out / "model.safetensors"))
+    ids = torch.randint(0, io.vocab_size, (1, 11))
+    aux = forward_features(model, ids[:, :10], None, config["aux_hidden_state_layer_ids"])[0].aux
+    ref = reference_block_logits(sd, config["transformer_layer_config"], aux[0], io.embed.weight.detach(),
+                                 int(ids[0, 10]), config["mask_token_id"], config["block_size"])
+    d = dflash.drafter(head, io)
+    d.begin(ids[:, :10], forward_features(model, ids[:, :10], None, LAYERS)[0], int(ids[0, 10]))
+    torch.testing.assert_close(d.block_logits(), ref[1:], rtol=1e-4, atol=1e-4)
+    draft_to_target = torch.arange(sd["d2t"].numel()) + sd["d2t"]
+    assert d.draft(3, 0.0).tokens.tolist() == draft_to_target[ref[1:].argmax(-1)].tolist()
