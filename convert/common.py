@@ -12,6 +12,7 @@ from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from convert.spec import FLOAT_DTYPES, ExportError
+from heads.types import TargetIO
 
 # Named default targets -> their Hub ids, written as the verifier / base model of an export.
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -64,3 +65,20 @@ def float_dtype_name(state: dict[str, torch.Tensor]) -> str:
         if v.is_floating_point():
             return str(v.dtype).replace("torch.", "")
     return "float32"
+
+
+def served_layer_ids(meta: dict, target: TargetIO) -> list[int]:
+    """The captured layers in vLLM's convention ("input of decoder layer i"), which is the native one.
+
+    Native layer_ids are transformers hidden_states indices = "input of decoder layer i" = vLLM's reading;
+    SGLang's value is one less (export_sglang). Example (Llama-3.1-8B, L = 32): native [2, 16, 29] ->
+    speculators [2, 16, 29], sglang [1, 15, 28]. Engines capture only decoder-layer inputs, so valid native
+    ids are 1..L-1 (0 is the embedding output, which they do not capture; L is after the final norm).
+    """
+    ids = [int(i) for i in meta["layer_ids"]]
+    bad = [i for i in ids if not 1 <= i <= target.num_layers - 1]
+    if bad:
+        raise ExportError(
+            f"layer id {bad[0]} cannot be served: engines capture decoder-layer inputs 1..{target.num_layers - 1}"
+        )
+    return ids

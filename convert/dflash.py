@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from convert.common import causal_lm_architecture, head_state, rope_fields
-from convert.eagle3 import served_layer_ids
+from convert.common import causal_lm_architecture, head_state, rope_fields, served_layer_ids
 from convert.family import FamilyExports, Layout, VllmServing
 from convert.spec import ExportError
-from heads.base import HeadConfig, HeadMismatchError, TargetIO, family_module
+from heads import registry
+from heads.base import HeadConfig, HeadMismatchError, TargetIO
 
 SPECULATORS_VERSION = "0.1.0"
 
@@ -109,7 +109,7 @@ def import_speculators_dflash(config: dict, state: dict[str, torch.Tensor], targ
     layer = config["transformer_layer_config"]
     _check_layer(layer, config, target, where)
     inter = int(layer["intermediate_size"])
-    cfg = family_module("dflash").CONFIGS["dflash"](
+    cfg = registry.get("dflash").config(
         layer_ids=[int(i) for i in config["aux_hidden_state_layer_ids"]],
         num_layers=int(layer["num_hidden_layers"]),
         block_size=int(config["block_size"]),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from convert.common import causal_lm_architecture, head_state, rope_fields
+from convert.common import causal_lm_architecture, head_state, rope_fields, served_layer_ids
 from convert.family import FamilyExports, Layout, VllmServing
 from convert.spec import ExportError
 from heads import registry
@@ -54,23 +54,6 @@ def layer_config(head: nn.Module, target: TargetIO) -> dict:
         "bos_token_id": getattr(tc, "bos_token_id", None),
         "eos_token_id": getattr(tc, "eos_token_id", None),
     }
-
-
-def served_layer_ids(meta: dict, target: TargetIO) -> list[int]:
-    """The captured layers in vLLM's convention ("input of decoder layer i"), which is the native one.
-
-    Native layer_ids are transformers hidden_states indices = "input of decoder layer i" = vLLM's reading;
-    SGLang's value is one less (export_sglang). Example (Llama-3.1-8B, L = 32): native [2, 16, 29] ->
-    speculators [2, 16, 29], sglang [1, 15, 28]. Engines capture only decoder-layer inputs, so valid native
-    ids are 1..L-1 (0 is the embedding output, which they do not capture; L is after the final norm).
-    """
-    ids = [int(i) for i in meta["layer_ids"]]
-    bad = [i for i in ids if not 1 <= i <= target.num_layers - 1]
-    if bad:
-        raise ExportError(
-            f"layer id {bad[0]} cannot be served: engines capture decoder-layer inputs 1..{target.num_layers - 1}"
-        )
-    return ids
 
 
 def _renamed(state: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
