@@ -82,3 +82,17 @@ def served_layer_ids(meta: dict, target: TargetIO) -> list[int]:
             f"layer id {bad[0]} cannot be served: engines capture decoder-layer inputs 1..{target.num_layers - 1}"
         )
     return ids
+
+
+def layer_config_fields(tc: Any, vocab_size: int) -> dict[str, Any]:
+    """The fields every engine's draft-layer config copies from the target (activation, eps, vocab, positions,
+    RoPE) plus the ones no draft layer here has (attention bias, tied embeddings)."""
+    return {
+        "hidden_act": "silu",
+        "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
+        "vocab_size": vocab_size,
+        "max_position_embeddings": int(getattr(tc, "max_position_embeddings", 4096)),
+        **rope_fields(tc),
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }

@@ -17,7 +17,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from convert.common import causal_lm_architecture, head_state, rope_fields, served_layer_ids
+from convert.common import (
+    causal_lm_architecture,
+    head_state,
+    layer_config_fields,
+    rope_fields,
+    served_layer_ids,
+)
 from convert.family import FamilyExports, Layout, VllmServing
 from convert.spec import ExportError
 from heads import registry
@@ -44,14 +50,8 @@ def layer_config(head: nn.Module, target: TargetIO) -> dict:
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(state["layers.0.self_attn.k_proj.weight"].shape[0]) // head_dim,
         "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
-        "vocab_size": target.vocab_size,
-        "max_position_embeddings": int(getattr(tc, "max_position_embeddings", 4096)),
-        **rope_fields(tc),
-        "attention_bias": False,
+        **layer_config_fields(tc, target.vocab_size),
         "use_sliding_window": False,  # every layer full attention (no sliding window)
-        "tie_word_embeddings": False,
     }
 
 

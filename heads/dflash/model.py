@@ -33,7 +33,15 @@ from torch import nn
 from heads.base import HeadConfig
 from heads.dflash.config import DFlashConfig, check, feature_layers, loss_weights, resolved_mask_token
 from heads.eagle.config import resolved_draft_vocab
-from heads.eagle.model import MLP, Attention, Eagle3Head, RMSNorm, _rope, rotary  # _rope: reused, not copied
+from heads.eagle.model import (  # _rope: reused, not copied
+    MLP,
+    Attention,
+    Eagle3Head,
+    RMSNorm,
+    _rope,
+    layer_sizes,
+    rotary,
+)
 from heads.eagle.vocab import draft_vocab_from_counts, final_norm_scale, token_counts
 from heads.types import TargetIO
 
@@ -63,11 +71,7 @@ class DFlashLayer(nn.Module):
 
     def __init__(self, config: Any, inter: int):
         super().__init__()
-        h = int(config.hidden_size)
-        heads = int(config.num_attention_heads)
-        kv = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or h // heads)
-        eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        h, heads, kv, head_dim, eps = layer_sizes(config)
         self.self_attn = DFlashAttention(h, heads, kv, head_dim, eps)
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)

@@ -94,16 +94,21 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+def layer_sizes(config: Any) -> tuple[int, int, int, int, float]:
+    """(hidden, attention heads, KV heads, head_dim, RMSNorm eps) of a draft layer sized like the target."""
+    h = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or h // heads)
+    return h, heads, kv, head_dim, float(getattr(config, "rms_norm_eps", 1e-6))
+
+
 class DecoderLayer(nn.Module):
     """One draft layer. `eagle3=True` adds hidden_norm/input_layernorm and a 2H attention input."""
 
     def __init__(self, config: Any, inter: int, eagle3: bool):
         super().__init__()
-        h = int(config.hidden_size)
-        heads = int(config.num_attention_heads)
-        kv = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or h // heads)
-        eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        h, heads, kv, head_dim, eps = layer_sizes(config)
         self.eagle3 = eagle3
         if eagle3:
             self.hidden_norm = RMSNorm(h, eps)
