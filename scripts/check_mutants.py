@@ -175,8 +175,8 @@ MUTANTS: list[Mutant] = [
            ("tests/test_alignment.py",)),
     # --- issue 29: the classes of planted bugs that passed every test
     Mutant("spec_pass_drafts_past_max_new_tokens", "eval/decoder.py",
-           "budget = max_new_tokens - len(out) - 1",
-           "budget = max_new_tokens - len(out)",
+           "max_new_tokens - len(out) - 1, temperature, stats)",
+           "max_new_tokens - len(out), temperature, stats)",
            ("tests/test_faults.py", "-k", "max_new_tokens_budget"), quick=True),
     Mutant("accepted_credit_by_path_position", "eval/decoder.py",
            'src = tree.sources[a] if tree.sources is not None else "draft"',
@@ -207,14 +207,12 @@ MUTANTS: list[Mutant] = [
            "generator=self.generators[j]) for j, r in enumerate(rows)",
            ("tests/test_regenerate.py", "-k", "finish_early or own_generator")),
     # (a constant shift of a row's positions is invisible under RoPE: these give rows another row's positions)
-    Mutant("regenerate_rows_continue_row_0s_positions", "data/regenerate.py",
-           "            pos = pos[:, -1:] + 1",
-           "            pos = pos[:1, -1:].expand(len(live), 1) + 1",
-           ("tests/test_regenerate.py", "-k", "batched_greedy")),
-    Mutant("batch_rows_take_row_0s_positions", "eval/batch.py",
-           "pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -n:]",
-           "pos = (mask[:1].cumsum(-1) - 1).clamp(min=0).expand_as(mask)[:, -n:]",
-           ("tests/test_faults.py", "-k", "per_row_positions")),
+    # generation (data.regenerate) and the batch sweep (eval.batch) place their left-padded rows through the
+    # one dynamic cache (data.kvcache.DynamicKV): every row's positions count its own real tokens
+    Mutant("padded_rows_take_row_0s_positions", "data/kvcache.py",
+           "pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]",
+           "pos = (mask[:1].cumsum(-1) - 1).clamp(min=0).expand_as(mask)[:, -ids.shape[1]:]",
+           ("tests/test_faults.py", "tests/test_regenerate.py", "-k", "per_row_positions or batched_greedy")),
 ]
 
 
