@@ -175,13 +175,7 @@ def test_a_killed_report_write_leaves_no_mixed_report(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------- publish
-def _publish():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("publish", ROOT / "scripts" / "publish.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from test_publish import _publish  # noqa: E402  (scripts/publish.py loaded as a module, one loader)
 
 
 @pytest.fixture()
