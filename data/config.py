@@ -167,6 +167,13 @@ class PromptDomain:
     weight: Float = 1.0  # relative share of candidates drawn from this domain
     system: Str | None = None  # system hint rendered while the target writes the user turn (not kept)
     openers: list[Str] = field(default_factory=list)  # opening words of the user turn; one is drawn per item
+    # Context-carrying domains (summarise, answer from a passage, translate, extract, continue code): with
+    # `requests`, the target's text (or, with `passages`, a supplied passage) is a PASSAGE and the user turn is
+    # the passage, a blank line, then one request drawn per item ("Summarise the text above in two sentences.").
+    requests: list[Str] = field(default_factory=list)
+    # A file of passages to use instead of sampling them: JSONL with a "text" field per line, or plain text
+    # with passages separated by blank lines (relative paths from the working folder); needs `requests`.
+    passages: Str | None = None
 
 
 def _default_domains() -> list[PromptDomain]:

@@ -10,6 +10,11 @@ How a prompt is made (settings in the `prompts` config section, data/config.py):
   prefix, everything after it the end-of-turn text (ChatML `<|im_end|>\\n`, Llama-3 `<|eot_id|>`); no
   per-model strings. A domain (coding, math, writing, ...) may add a short system hint to that render and
   a few opening words ("openers") the target continues; both steer a small target towards the domain.
+- a context-carrying domain (one with `requests`) makes prompts that hold a passage: the sampled text (or a
+  passage drawn from the domain's `passages` file) is the passage, and the user turn is the passage, a blank
+  line and one request drawn per item ("Summarise the text above."). A sampled passage cut off at
+  max_new_tokens is trimmed to its last finished sentence instead of being dropped as unfinished. Answers
+  to such prompts copy from their context, which is what drafting on summarisation and retrieval needs.
 - item i draws its domain (by weight), opener and sampling seed from a generator seeded by (seed, i), and
   its text is sampled until the end-of-turn token, any other special token or EOS. Items are generated
   in fixed chunks of `batch_size` (left padded, one generator per row), so which items share a batch
@@ -205,15 +210,72 @@ class Item:
     domain: str
     opener: str
     seed: int
+    request: str = ""  # context-carrying domains: the request that follows the passage
+    passage: str | None = None  # a passage from the domain's file (None: the target samples one)
 
 
-def make_item(pcfg: PromptsConfig, seed: int, index: int) -> Item:
-    """Item `index`, drawn from a generator seeded by (seed, index) only: independent of chunking and resumes."""
+def make_item(pcfg: PromptsConfig, seed: int, index: int, passages: dict[str, list[str]] | None = None) -> Item:
+    """Item `index`, drawn from a generator seeded by (seed, index) only: independent of chunking and resumes.
+
+    `passages` maps a domain with a passages file to its passages (read_passages)."""
     digest = hashlib.sha256(f"prompts/{seed}/{index}".encode()).digest()
     rng = random.Random(digest)
     domain = rng.choices(pcfg.domains, weights=[d.weight for d in pcfg.domains])[0]
     opener = rng.choice(domain.openers) if domain.openers else ""
-    return Item(index, domain.name, opener, int.from_bytes(digest[8:16], "little") & (2**63 - 1))
+    item = Item(index, domain.name, opener, int.from_bytes(digest[8:16], "little") & (2**63 - 1))
+    # drawn after the draws above, so domains without requests give the same items as before they existed
+    if domain.requests:
+        item.request = rng.choice(domain.requests)
+        own = (passages or {}).get(domain.name)
+        if own:
+            item.passage = own[rng.randrange(len(own))]
+    return item
+
+
+def read_passages(pcfg: PromptsConfig) -> dict[str, list[str]]:
+    """The passages of every domain that names a file: JSONL with a "text" per line, or plain text whose
+    passages are separated by blank lines. DataError naming the key for a missing, unreadable or empty file."""
+    out: dict[str, list[str]] = {}
+    for i, d in enumerate(pcfg.domains):
+        if d.passages is None:
+            continue
+        key = f"prompts.domains[{i}].passages"
+        path = Path(d.passages)
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"{key}: cannot read {path} ({type(e).__name__}: {e})") from None
+        if path.suffix == ".jsonl":
+            texts = []
+            for lineno, line in enumerate(raw.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    texts.append(row["text"] if isinstance(row["text"], str) else None)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    texts.append(None)
+                if texts[-1] is None:
+                    raise DataError(f"{path}:{lineno}: not a passage (a JSON object with a string \"text\"), "
+                                    f"read for {key}")
+        else:
+            texts = re.split(r"\n\s*\n", raw)
+        texts = [t.strip() for t in texts if t.strip()]
+        if not texts:
+            raise DataError(f"{key}: {path} holds no passage")
+        out[d.name] = texts
+    return out
+
+
+def trim_passage(text: str) -> str:
+    """A passage cut off mid-sentence, trimmed after its last sentence end or line break ("" if none)."""
+    ends = [text.rfind(c) for c in ".!?\n"]
+    return text[: max(ends) + 1].strip() if max(ends) >= 0 else ""
+
+
+def context_prompt(passage: str, request: str) -> str:
+    """The user turn of a context-carrying domain: the passage, a blank line, the request."""
+    return f"{passage}\n\n{request}"
 
 
 def check_prompts_config(pcfg: PromptsConfig) -> None:
@@ -240,6 +302,11 @@ def check_prompts_config(pcfg: PromptsConfig) -> None:
             raise DataError(f"prompts.domains[{i}].name must be non-empty and unique, got {d.name!r}")
         if d.weight <= 0:
             raise DataError(f"prompts.domains[{i}].weight must be > 0, got {d.weight}")
+        if d.passages is not None and not d.requests:
+            raise DataError(f"prompts.domains[{i}].passages needs prompts.domains[{i}].requests (what to ask "
+                            "about each passage)")
+        if any(not r.strip() for r in d.requests):
+            raise DataError(f"prompts.domains[{i}].requests must not hold an empty request")
 
 
 @dataclass
@@ -261,6 +328,15 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
     p = to_dict(cfg.prompts)
     for k in ("batch_size", "num_prompts", "output"):
         p.pop(k)
+    for d in p["domains"]:
+        # absent unless used, so a run written before context domains existed resumes; a passages file is
+        # recorded by its bytes, so an edited file is not mixed into a resumed run
+        if not d["requests"]:
+            d.pop("requests")
+        if d["passages"] is None:
+            d.pop("passages")
+        else:
+            d["passages_sha256"] = hashlib.sha256(Path(d["passages"]).read_bytes()).hexdigest()
     return {"target": to_dict(cfg.target) | {"device": None}, "prompts": p, "seed": cfg.seed}
 
 
@@ -290,6 +366,7 @@ def write_prompts(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> d
     n_mix = round(pcfg.num_prompts * pcfg.mix_share)
     n_self = pcfg.num_prompts - n_mix
     mix = read_mix(pcfg, n_mix)
+    passages = read_passages(pcfg)
     if model is None or tokenizer is None:
         model, tokenizer = load_model(cfg.target, decode=True), load_tokenizer(cfg.target)
     template = cfg.data.chat_template
@@ -331,13 +408,8 @@ def write_prompts(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> d
         while len(kept) < n_self and index < limit:
             # Chunks are fixed slices of the item order, so a resumed run samples the same rows together.
             end = min((index // pcfg.batch_size + 1) * pcfg.batch_size, limit)
-            items = [make_item(pcfg, cfg.seed, i) for i in range(index, end)]
-            texts = [heads[it.domain][0] + it.opener for it in items]
-            answers = generate_texts(model, tokenizer, texts, pcfg.max_new_tokens, pcfg.temperature, pcfg.top_p,
-                                     [it.seed for it in items], stops)
-            recs = [{"id": f"p{it.index:06d}", "domain": it.domain, "finished": a.stopped,
-                     "text": clean(join_opener(it.opener, a.text), end_of_turn)}
-                    for it, a in zip(items, answers)]
+            items = [make_item(pcfg, cfg.seed, i, passages) for i in range(index, end)]
+            recs, n_tokens = _candidates(items, model, tokenizer, pcfg, heads, stops, end_of_turn)
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
             f.flush()
             os.fsync(f.fileno())
@@ -345,7 +417,7 @@ def write_prompts(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> d
             for rec in recs:
                 judge(rec)
             bar.update(len(kept) - before)
-            tokens += sum(a.tokens for a in answers)
+            tokens += n_tokens
             index = end
     bar.close()
     seconds = time.perf_counter() - start
@@ -372,6 +444,31 @@ def write_prompts(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> d
     }
     out_path.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _candidates(items: list[Item], model: Any, tokenizer: Any, pcfg: PromptsConfig, heads: dict[str, tuple[str, str]],
+                stops: list[int], end_of_turn: str) -> tuple[list[dict], int]:
+    """The journal records of one chunk of items (sampling the texts of those without a supplied passage)
+    and the number of tokens sampled."""
+    sampled = [it for it in items if it.passage is None]
+    answers = generate_texts(model, tokenizer, [heads[it.domain][0] + it.opener for it in sampled],
+                             pcfg.max_new_tokens, pcfg.temperature, pcfg.top_p, [it.seed for it in sampled],
+                             stops) if sampled else []
+    by_index = {it.index: a for it, a in zip(sampled, answers)}
+    recs = []
+    for it in items:
+        if it.passage is not None:
+            text, finished = it.passage, True
+        else:
+            a = by_index[it.index]
+            text, finished = clean(join_opener(it.opener, a.text), end_of_turn), a.stopped
+        if it.request:
+            if not finished:  # a passage cut off at max_new_tokens is still a passage, once trimmed
+                text = trim_passage(text)
+                finished = bool(text)
+            text = context_prompt(text, it.request) if text else ""
+        recs.append({"id": f"p{it.index:06d}", "domain": it.domain, "finished": finished, "text": text})
+    return recs, sum(a.tokens for a in answers)
 
 
 def format_summary(s: dict[str, Any]) -> str:

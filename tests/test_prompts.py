@@ -19,6 +19,7 @@ from test_tokenize import llama3_tokenizer
 import data.prompts as pr
 from data.config import ConfigError, PromptsConfig, RunConfig, TargetConfig, load_config
 from data.readers import DataError, read_records
+from data.regenerate import Answer
 from data.target import byte_tokenizer, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,3 +171,88 @@ def test_kill_mid_run_then_resume_equals_uninterrupted(tmp_path):
     killed = json.loads((tmp_path / "killed" / "prompts.summary.json").read_text())
     whole = json.loads((tmp_path / "whole" / "prompts.summary.json").read_text())
     assert killed["candidates_resumed"] >= 4 and killed["domains"] == whole["domains"]
+
+
+# ----------------------------------------------------------------------------------------------- context domains
+def test_default_domains_draw_the_items_they_drew_before_context_domains_existed():
+    # pinned from main 2a11ab0 (before `requests`/`passages`): the quickstart's prompt stream is unchanged
+    pcfg = load_config(ROOT / "configs" / "smollm2-135m.yaml").prompts
+    got = [(it.domain, it.opener, it.seed, it.request, it.passage) for it in (pr.make_item(pcfg, 0, i) for i in (0, 1, 2, 100))]
+    assert got == [("roleplay", "Pretend you are", 6504776316325642008, "", None),
+                   ("writing", "Write a poem about", 8604228554895778781, "", None),
+                   ("math", "Tom has", 687991602068036365, "", None),
+                   ("coding", "How do I", 4498864004398046877, "", None)]
+    assert all("requests" not in d and "passages" not in d for d in pr._settings(load_config(None))["prompts"]["domains"])
+
+
+def test_trim_passage_keeps_finished_sentences():
+    assert pr.trim_passage("One. Two! Three? Four and") == "One. Two! Three?"
+    assert pr.trim_passage("def f():\n    return 1\n    x =") == "def f():\n    return 1"
+    assert pr.trim_passage("no end at all") == ""
+
+
+def _passage_flags(path: Path, weight: float = 1.0) -> list[str]:
+    return [f"--prompts.domains=[{{name: ctx, weight: {weight}, requests: ['Summarise the text above.', "
+            f"'What is the main point of the text above?'], passages: '{path}'}}]"]
+
+
+def test_supplied_passages_make_passage_then_request_prompts(tmp_path, tiny):
+    passages = [f"Passage {i}: the river town of Elm{i} grew wheat, kept {i} mills and traded salt by boat."
+                for i in range(40)]
+    gsm = read_records(ROOT / "data" / "bundled" / "gsm8k_test.jsonl", max_samples=1)[0][0].messages[0]["content"]
+    src = tmp_path / "passages.txt"
+    src.write_text("\n\n".join([gsm] * 10 + passages) + "\n")  # a benchmark question, often drawn
+    s = pr.write_prompts(_cfg(tmp_path / "out", *_passage_flags(src), "--prompts.mix_share=0"), *tiny)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "prompts.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and {r["category"] for r in rows} == {"ctx"}
+    for r in rows:
+        passage, request = r["prompt"].rsplit("\n\n", 1)
+        assert passage in passages and request in ("Summarise the text above.",
+                                                   "What is the main point of the text above?")
+    assert s["generated_tokens"] == 0  # nothing sampled: every passage came from the file
+    # the same filters: a benchmark question as the passage is dropped, a repeated passage is a near-duplicate
+    dropped = s["domains"]["ctx"]["dropped"]
+    assert dropped.get("duplicate", 0) > 0 and dropped.get("benchmark", 0) > 0
+    # JSONL passages read the same
+    jsonl = tmp_path / "passages.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in [gsm] * 10 + passages))
+    pr.write_prompts(_cfg(tmp_path / "out2", *_passage_flags(jsonl), "--prompts.mix_share=0"), *tiny)
+    assert (tmp_path / "out2" / "prompts.jsonl").read_text() == (tmp_path / "out" / "prompts.jsonl").read_text()
+    # an edited passages file is not mixed into a resumed run
+    src.write_text("\n\n".join(passages[::-1]) + "\n")
+    with pytest.raises(DataError, match="prompts setting 'prompts'"):
+        pr.write_prompts(_cfg(tmp_path / "out", *_passage_flags(src), "--prompts.mix_share=0"), *tiny)
+
+
+def test_sampled_passages_are_trimmed_not_dropped(tmp_path, tiny, monkeypatch):
+    # every sampled text is cut off at max_new_tokens: a plain domain drops them all, a context domain keeps
+    # each one's finished sentences and appends the request
+    def cut(model, tokenizer, texts, *a, **k):
+        return [Answer(f"Fact {i} about boats. Half a sente", 7, False) for i, _ in enumerate(texts)]
+    monkeypatch.setattr(pr, "generate_texts", cut)
+    one = ["--prompts.mix_share=0", "--prompts.num_prompts=2", "--prompts.max_dup_overlap=1.0",
+           "--prompts.max_candidates_factor=1"]
+    plain = pr.write_prompts(_cfg(tmp_path / "plain", "--prompts.domains=[{name: p}]", *one), *tiny)
+    assert plain["self_written"] == 0 and plain["domains"]["p"]["dropped"] == {"unfinished": 2}
+    s = pr.write_prompts(_cfg(tmp_path / "ctx", "--prompts.domains=[{name: c, requests: ['Translate the text "
+                              "above into French.']}]", *one), *tiny)
+    rows = [json.loads(line) for line in (tmp_path / "ctx" / "prompts.jsonl").read_text().splitlines()]
+    assert s["self_written"] == 2 and s["generated_tokens"] == 14
+    assert sorted(r["prompt"] for r in rows) == [f"Fact {i} about boats.\n\nTranslate the text above into French."
+                                                 for i in (0, 1)]
+
+
+def test_context_domain_errors_name_the_key(tmp_path, tiny):
+    for flags, match in [
+        (["--prompts.domains=[{name: c, passages: p.txt}]"], r"domains\[0\]\.passages needs .*requests"),
+        (["--prompts.domains=[{name: c, requests: ['']}]"], r"domains\[0\]\.requests"),
+    ]:
+        with pytest.raises(DataError, match=match):
+            pr.check_prompts_config(load_config(None, flags).prompts)
+    with pytest.raises(DataError, match=r"prompts\.domains\[0\]\.passages: cannot read"):
+        pr.write_prompts(_cfg(tmp_path / "a", *_passage_flags(tmp_path / "missing.txt")), *tiny)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not a passage"):
+        pr.write_prompts(_cfg(tmp_path / "b", *_passage_flags(bad)), *tiny)
+    assert not (tmp_path / "b" / "prompts.candidates.jsonl").exists()  # refused before anything is written
