@@ -5,17 +5,21 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from drafters_common import chi_square_pvalue, exact_law
+from test_policy import PROMPT4, head4, vocab4_model  # noqa: F401  (fixtures)
 
+import eval.decoder as decoder
 from data.config import load_config
 from data.tokenize import left_pad
 from eval.batch import Method, batched_generate, sweep
 from eval.costs import DraftCost, VerifyCost
-from eval.drafters import DeferredSync, HybridDrafter
+from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter
 from eval.policy import AdaptivePolicy, LoadAware
 from heads import registry
 from heads.base import DraftTree
@@ -261,3 +265,27 @@ def test_sweep_report_shape_and_crossover(tiny_target):
         assert out["crossover"][name] == expect
     # batch 1 of the fixed-k oracle is the single-stream decoder's run on the same row: the same tau
     assert out["single_stream_tau"]["oracle"] == pytest.approx(out["rows"][0]["methods"]["oracle"]["tau"])
+
+
+def _batched_pvalue(model, draft_model, rows: int, batches: int) -> float:
+    """Chi-square p-value of batched speculative sampling (T 1, top-3, k 2, 4 new tokens per row, a sampling
+    ModelDrafter per row) against plain sampling's exact law; every row of every batch is one sample."""
+    exact = exact_law(model, PROMPT4, 4, 1.0, 3)
+    counts: dict[tuple[int, ...], int] = {}
+    seeds = itertools.count()
+    for b in range(batches):
+        res = batched_generate(model, [PROMPT4] * rows, 4, 0, k=2, temperature=1.0, top_k=3, seed=1000 * b,
+                               make_drafter=lambda: ModelDrafter(draft_model,
+                                                                 generator=torch.Generator().manual_seed(next(seeds))))
+        for row in res.tokens.tolist():
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    return chi_square_pvalue(exact, counts, rows * batches)
+
+
+def test_batched_sampling_keeps_the_law_and_a_biased_verifier_fails(vocab4_model, head4, monkeypatch):  # noqa: F811
+    """T > 0 rows go through the decoder's own rule: plain sampling's law; resampling from p after a rejection
+    (the named bias of tests/test_sampling_exactness.py) is caught by the same test."""
+    assert _batched_pvalue(vocab4_model, head4, 30, 20) > 1e-3
+    monkeypatch.setattr(decoder, "residual_distribution", lambda p, q, token: p)
+    pv = _batched_pvalue(vocab4_model, head4, 30, 20)
+    assert pv < 1e-4, f"the biased batched verifier passed (p = {pv:.2e})"
