@@ -213,6 +213,22 @@ MUTANTS: list[Mutant] = [
            "pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]",
            "pos = (mask[:1].cumsum(-1) - 1).clamp(min=0).expand_as(mask)[:, -ids.shape[1]:]",
            ("tests/test_faults.py", "tests/test_regenerate.py", "-k", "per_row_positions or batched_greedy")),
+    # --- batched speculative decoding (eval.batch): ragged acceptance, per-row trees
+    # the old rule, still exact: every row advances by the batch's minimum accepted length
+    Mutant("batch_rows_truncated_to_the_minimum", "eval/batch.py",
+           "        kv.keep_rows([v.path for v in verdicts])",
+           "        m = min(len(v.path) for v in verdicts)\n"
+           "        verdicts = [type(v)(v.accepted[:m - 1], v.tokens[m - 1], v.path[:m], v.tokens[:m]) for v in verdicts]\n"
+           "        kv.keep_rows([v.path for v in verdicts])",
+           ("tests/test_batch.py", "-k", "own_accepted_length"), quick=True),
+    Mutant("ragged_keep_leaks_a_rejected_slot", "data/kvcache.py",
+           "            kept[r, :len(p)] = 1",
+           "            kept[r, :len(p) + 1] = 1",
+           ("tests/test_batch.py", "-k", "greedy_identical"), quick=True),
+    Mutant("padded_tree_rows_at_depth_one", "data/kvcache.py",
+           "            pos[r, 1:] += depths.to(self.device)",
+           "            pos[r, 1:] += 1",
+           ("tests/test_batch.py", "-k", "padded_trees"), quick=True),
 ]
 
 

@@ -289,3 +289,32 @@ def test_batched_sampling_keeps_the_law_and_a_biased_verifier_fails(vocab4_model
     monkeypatch.setattr(decoder, "residual_distribution", lambda p, q, token: p)
     pv = _batched_pvalue(vocab4_model, head4, 30, 20)
     assert pv < 1e-4, f"the biased batched verifier passed (p = {pv:.2e})"
+
+
+def test_padded_trees_and_ragged_keep_match_each_row_alone(tiny_target):
+    """DynamicKV over left-padded rows with a tree each: every row's logits are its logits alone (its positions,
+    its ancestors), and after keep_rows of non-prefix paths the next pass still matches row by row."""
+    from data.kvcache import DynamicKV
+
+    model, tok, _ = tiny_target
+    prompts = _prompts(tok, 3)[:2]
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    trees = [([5, 6, 7, 8], [-1, 0, -1, 2]), ([9, 10, 11, 12], [-1, -1, 1, 0])]
+    paths = [[0, 3, 4], [0, 2]]  # row 0 keeps nodes 2, 3 (a branch that is not a prefix); row 1 keeps node 1
+    kv = DynamicKV(model)
+    kv.run(ids, pad=mask)
+    kv.keep(range(ids.shape[1]))
+    root = [40, 41]
+    block = torch.tensor([[root[r]] + trees[r][0] for r in range(2)])
+    logits, _ = kv.run(block, torch.tensor([trees[r][1] for r in range(2)]))
+    kv.keep_rows(paths)
+    after, _ = kv.run(torch.tensor([[50], [51]]))
+    for r, p in enumerate(prompts):
+        alone = DynamicKV(model)
+        alone.run(torch.tensor([p]))
+        alone.keep(range(len(p)))
+        ref, _ = alone.run(torch.tensor([[root[r]] + trees[r][0]]), torch.tensor(trees[r][1]))
+        torch.testing.assert_close(logits[r], ref[0], atol=1e-4, rtol=1e-4)
+        alone.keep(paths[r])
+        ref_after, _ = alone.run(torch.tensor([[50 + r]]))
+        torch.testing.assert_close(after[r, -1], ref_after[0, -1], atol=1e-4, rtol=1e-4)
