@@ -132,14 +132,16 @@ def measure_cost_surface(
     batch_sizes: Sequence[int],
     ns: Sequence[int] = (1, 2, 3, 4, 6, 9, 17),
     context_len: int = 128,
-    repeats: int = 3,
+    repeats: int = 5,
     seed: int = 0,
 ) -> dict[int, VerifyCost]:
     """T(B, n): median seconds of one target forward over B rows of n new tokens each, per batch size B.
 
     The batched decoder's own pass (eval.batch): a left-padded DynamicKV of B rows holding `context_len`
     random tokens each, the padded mask, all logits kept; every timed forward is dropped again. One untimed
-    warm-up forward per (B, n). Returns {B: VerifyCost} (eval.policy.LoadAware's surface).
+    warm-up round, then `repeats` rounds over every n in turn (round-robin, so load drift on a shared machine
+    hits every n alike: the curve's shape, which is what the policy prices, survives a busy machine better
+    than its level). Returns {B: VerifyCost} (eval.policy.LoadAware's surface).
     """
     dev = next(model.parameters()).device
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -151,21 +153,19 @@ def measure_cost_surface(
         ctx = torch.randint(vocab, (b, context_len), generator=g)
         kv.run(ctx, logits_to_keep=1, pad=torch.ones_like(ctx))
         kv.keep(range(context_len))
-        out: dict[int, float] = {}
-        for n in ns:
-            ids = torch.randint(vocab, (b, n), generator=g)
-            times = []
-            for r in range(repeats + 1):
+        blocks = {int(n): torch.randint(vocab, (b, n), generator=g) for n in ns}
+        times: dict[int, list[float]] = {n: [] for n in blocks}
+        for r in range(repeats + 1):
+            for n, ids in blocks.items():
                 sync()
                 t = time.perf_counter()
                 kv.run(ids)
                 sync()
                 dt = time.perf_counter() - t
                 kv.keep([])
-                if r:
-                    times.append(dt)
-            out[int(n)] = statistics.median(times)
-        surface[int(b)] = VerifyCost(seconds=out, context_len=context_len)
+                if r:  # round 0 warms up
+                    times[n].append(dt)
+        surface[int(b)] = VerifyCost({n: statistics.median(ts) for n, ts in times.items()}, context_len=context_len)
     return surface
 
 

@@ -288,12 +288,40 @@ class AdaptivePolicy:
             self.width[s] = 0.5 * self.width[s] + 0.5 * len(mine) / max(depth[i] for i in mine)
 
 
+class ScaledCurve:
+    """T(B, n) for one batch size: the measured curve's shape (isotonic fit) times a load factor learned from
+    the run's timed passes (decayed mean of observed / measured seconds, over every n observed).
+
+    Why not LearnedVerifyCost here: in a batch most passes have one width (plain passes, once drafting is
+    off), so a per-n blend would follow the machine's load at that width only while the other widths kept
+    the probe's quieter (or busier) value, and the ratio the policy prices would drift with the load, not
+    with the cost. A common factor keeps the measured ratios T(B, n) / T(B, 1) and follows the level.
+    """
+
+    def __init__(self, probe: VerifyCost, decay: float = 0.9):
+        self.fit, self.decay = isotonic(probe), decay
+        self.ratio, self.count = 0.0, 0.0
+        self.version = 0
+
+    @property
+    def scale(self) -> float:
+        return self.ratio / self.count if self.count else 1.0
+
+    def observe(self, n: int, seconds: float) -> None:
+        self.ratio = self.decay * self.ratio + seconds / max(self.fit(n), 1e-12)
+        self.count = self.decay * self.count + 1.0
+        self.version += 1
+
+    def __call__(self, n: int) -> float:
+        return self.fit(n) * self.scale
+
+
 class RowShare:
     """One row's share of a batch pass at batch size `batch`: n -> T(batch, n) / batch, from the batch size's
     learned curve. An AdaptivePolicy priced with it weighs a row's expected tokens against what its draft adds
     to the one pass every row shares (eval.batch)."""
 
-    def __init__(self, learned: LearnedVerifyCost, batch: int):
+    def __init__(self, learned: LearnedVerifyCost | ScaledCurve, batch: int):
         self.learned, self.batch = learned, batch
 
     @property
@@ -328,27 +356,29 @@ class LoadAware:
     """Load-aware drafting for a batch (eval.batch): every row's AdaptivePolicy priced by its share of the
     batch pass, then a gate on the batch's throughput.
 
-    surface: batch size -> T(B, n) (eval.costs.measure_cost_surface), each refined by the run's own timed
-    passes at that size (LearnedVerifyCost; an unmeasured size starts from the measured neighbours).
+    surface: batch size -> T(B, n) (eval.costs.measure_cost_surface), each scaled by the load the run's own
+    timed passes at that size show (ScaledCurve; an unmeasured size starts from the measured neighbours).
     Per pass, with B rows: row r's policy chooses its lengths against n -> T(B, n) / B (RowShare), which gives
     its expected tokens E_r, drafting seconds D_r and nodes n_r (AdaptivePolicy.expected). The pass is as wide
     as its widest row, so the gate keeps the drafts of the rows with n_r <= w for the w (0 or one of the n_r)
     maximising  sum_r E_r(w) / (sum_r D_r(w) + T(B, 1 + w))  (a dropped row: E 1, D 0), and w = 0 (a plain
-    pass, no drafter called) unless that beats plain decoding's B / T(B, 1). So drafting never buys a pass
-    the cost surface says is slower than plain decoding, at any batch size. `gated` counts dropped drafts.
+    pass, no drafter called) unless that beats plain decoding's B / T(B, 1) by `margin` (default 5%: the
+    measured costs are noisy on a shared machine, and a predicted gain smaller than that noise is not worth
+    risking a loss for). So drafting never buys a pass the cost surface says is slower than plain decoding,
+    at any batch size. `gated` counts dropped drafts.
     """
 
-    def __init__(self, surface: Mapping[int, VerifyCost]):
-        if not surface:
-            raise ValueError("LoadAware: the cost surface is empty")
-        self.surface = dict(surface)
-        self.curves: dict[int, LearnedVerifyCost] = {}
+    def __init__(self, surface: Mapping[int, VerifyCost], margin: float = 1.05):
+        if not surface or margin < 1.0:
+            raise ValueError("LoadAware: need a non-empty cost surface and margin >= 1")
+        self.surface, self.margin = dict(surface), margin
+        self.curves: dict[int, ScaledCurve] = {}
         self.gated = 0
 
-    def curve(self, batch: int) -> LearnedVerifyCost:
-        """The learned T(batch, n)."""
+    def curve(self, batch: int) -> ScaledCurve:
+        """T(batch, n): the measured (or interpolated) shape at the load the run's passes show."""
         if batch not in self.curves:
-            self.curves[batch] = LearnedVerifyCost(self.surface.get(batch) or _between(self.surface, batch))
+            self.curves[batch] = ScaledCurve(self.surface.get(batch) or _between(self.surface, batch))
         return self.curves[batch]
 
     def observe(self, batch: int, n: int, seconds: float) -> None:
@@ -366,7 +396,7 @@ class LoadAware:
             c = policy.choose(drafter, budget)
             choices.append(c)
             plans.append(policy.expected(c))
-        best_w, best = 0, b / curve(1)
+        best_w, best = 0, self.margin * b / curve(1)
         for w in sorted({n for _, _, n in plans if n}):
             kept = [p for p in plans if p[2] <= w]
             e = sum(p[0] for p in kept) + (b - len(kept))

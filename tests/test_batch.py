@@ -318,3 +318,13 @@ def test_padded_trees_and_ragged_keep_match_each_row_alone(tiny_target):
         alone.keep(paths[r])
         ref_after, _ = alone.run(torch.tensor([[50 + r]]))
         torch.testing.assert_close(after[r, -1], ref_after[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_scaled_curve_keeps_the_measured_shape_and_follows_the_load():
+    """Timed passes at one width (plain passes, 3x slower than measured) scale every width alike."""
+    from eval.policy import ScaledCurve
+
+    curve = ScaledCurve(VerifyCost({1: 0.1, 2: 0.15, 4: 0.3}, 64))
+    for _ in range(20):
+        curve.observe(1, 0.3)
+    assert curve(1) == pytest.approx(0.3) and curve(4) / curve(1) == pytest.approx(3.0)
