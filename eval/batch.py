@@ -40,6 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
 import torch
@@ -236,6 +237,42 @@ def _single_stream_tau(model: nn.Module, prompt: Sequence[int], m: Method, max_n
     return st.tau
 
 
+def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, methods: Sequence[Method],
+               max_new_tokens: int, surface: dict[int, Any] | None, repeats: int,
+               progress: Callable[[str], None] | None) -> dict[str, Any]:
+    """One batch size of the sweep: every method and plain, `repeats` rotated rounds (see `sweep`)."""
+    order: list[Method | None] = [None, *methods]  # None = plain
+    runs: dict[str, list[tuple[BatchResult, int]]] = {"plain": [], **{m.name: [] for m in methods}}
+    for rep in range(repeats):
+        for m in order[rep % len(order):] + order[:rep % len(order)]:
+            if m is None:
+                runs["plain"].append((batched_generate(model, batch, max_new_tokens, pad_id), 0))
+                continue
+            load = LoadAware(surface) if m.load_aware and surface else None
+            res = batched_generate(model, batch, max_new_tokens, pad_id, k=m.k, make_drafter=m.make_drafter,
+                                   make_policy=m.make_policy, load=load)
+            runs[m.name].append((res, load.gated if load is not None else 0))
+    plain = [r for r, _ in runs["plain"]]
+    row: dict[str, Any] = {"batch_size": len(batch), "plain_tok_s": median(r.tokens_per_s for r in plain),
+                           "plain_latency_s": median(r.latency_s for r in plain), "methods": {}}
+    for m in methods:
+        res = [r for r, _ in runs[m.name]]
+        first = res[0]
+        row["methods"][m.name] = {
+            "tok_s": median(r.tokens_per_s for r in res),
+            "speedup": median(r.tokens_per_s / p.tokens_per_s for r, p in zip(res, plain)),
+            "speedups": [r.tokens_per_s / p.tokens_per_s for r, p in zip(res, plain)],
+            "latency_s": median(r.latency_s for r in res), "tau": median(r.tau for r in res),
+            "identical": all(bool(torch.equal(plain[0].tokens, r.tokens)) for r in res),
+            "chosen_k": {s: {str(n): c for n, c in cs.items()} for s, cs in first.stats.chosen_k.items()},
+            "gated_drafts": runs[m.name][0][1]}
+        if progress is not None:
+            r = row["methods"][m.name]
+            progress(f"batch {len(batch)}: plain {row['plain_tok_s']:.1f} tok/s, {m.name} {r['tok_s']:.1f} tok/s "
+                     f"({r['speedup']:.2f}x, tau {r['tau']:.2f}; {repeats} rounds)")
+    return row
+
+
 def sweep(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -245,8 +282,11 @@ def sweep(
     max_new_tokens: int = 32,
     surface: dict[int, Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """Throughput and per-request latency at each batch size: plain, then every method, back to back per size.
+    """Throughput and per-request latency at each batch size: plain and every method, back to back per size,
+    `repeats` rounds with the order rotated each round (a method's speedup is the median of its per-round
+    ratios to that round's plain run, so load drift on a shared machine hits both sides of each ratio).
 
     Rows are the prompts cycled to fill the batch. Returns the report's `batch_sweep` section: {"methods",
     "max_new_tokens", "rows": [{batch_size, plain_tok_s, plain_latency_s, methods: {name: {tok_s, speedup,
@@ -264,23 +304,8 @@ def sweep(
     for b in batch_sizes:
         if b < 1:
             raise ValueError(f"batch size must be >= 1, got {b}")
-        batch = [prompts[i % len(prompts)] for i in range(b)]
-        plain = batched_generate(model, batch, max_new_tokens, pad_id)
-        row: dict[str, Any] = {"batch_size": b, "plain_tok_s": plain.tokens_per_s, "plain_latency_s": plain.latency_s,
-                               "methods": {}}
-        for m in methods:
-            load = LoadAware(surface) if m.load_aware and surface else None
-            res = batched_generate(model, batch, max_new_tokens, pad_id, k=m.k, make_drafter=m.make_drafter,
-                                   make_policy=m.make_policy, load=load)
-            row["methods"][m.name] = {
-                "tok_s": res.tokens_per_s, "speedup": res.tokens_per_s / plain.tokens_per_s,
-                "latency_s": res.latency_s, "tau": res.tau, "identical": bool(torch.equal(plain.tokens, res.tokens)),
-                "chosen_k": {s: {str(n): c for n, c in cs.items()} for s, cs in res.stats.chosen_k.items()},
-                "gated_drafts": load.gated if load is not None else 0}
-            if progress is not None:
-                progress(f"batch {b}: plain {plain.tokens_per_s:.1f} tok/s, {m.name} {res.tokens_per_s:.1f} tok/s "
-                         f"({res.tokens_per_s / plain.tokens_per_s:.2f}x, tau {res.tau:.2f})")
-        rows.append(row)
+        rows.append(_sweep_row(model, [prompts[i % len(prompts)] for i in range(b)], pad_id, methods,
+                               max_new_tokens, surface, repeats, progress))
     crossover = {m.name: next((r["batch_size"] for r in rows if r["methods"][m.name]["speedup"] <= 1.0), None)
                  for m in methods}
     return {
@@ -289,6 +314,7 @@ def sweep(
         "policy": {m.name: "load-aware" if m.load_aware else "adaptive" if m.make_policy else "fixed"
                    for m in methods},
         "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
         "greedy": True,
         "tokens_per_s": "decode only (prefill excluded), all rows together",
         "latency": "mean per-request decode seconds (until a row has all its tokens)",
