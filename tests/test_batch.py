@@ -328,3 +328,33 @@ def test_scaled_curve_keeps_the_measured_shape_and_follows_the_load():
     for _ in range(20):
         curve.observe(1, 0.3)
     assert curve(1) == pytest.approx(0.3) and curve(4) / curve(1) == pytest.approx(3.0)
+
+
+def test_deferred_commits_join_in_order_past_the_log_chunk():
+    """70 deferred commits (more than two of _FeatureLog's chunks): one commit_tokens of the joined path, its
+    features in order, the same as committing them one by one would leave."""
+    from heads.base import Features
+
+    class Inner:
+        capture_layers = ()
+
+        def begin(self, *a):
+            self.calls = []
+
+        def commit_tokens(self, tokens, features, next_token):
+            self.calls.append((list(tokens), features, next_token))
+
+        def draft(self, k, temperature):
+            return DraftTree.chain(torch.tensor([1]))
+
+    inner = Inner()
+    d = DeferredSync(inner)
+    d.begin(torch.tensor([[1, 2]]), None, 3)
+    for i in range(70):
+        d.commit([], Features(last=torch.full((1, 1, 2), float(i)), aux=torch.full((1, 1, 4), float(-i))), 100 + i)
+    assert inner.calls == []
+    d.draft(1, 0.0)
+    [(tokens, feats, nxt)] = inner.calls
+    assert tokens == [100 + i for i in range(69)] and nxt == 169
+    assert feats.last[0, :, 0].tolist() == [float(i) for i in range(70)]
+    assert feats.aux[0, :, 0].tolist() == [float(-i) for i in range(70)]
