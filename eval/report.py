@@ -8,11 +8,13 @@ Files written into the run folder by `write_report(report, out_dir)` (report.jso
                                batch_sweep, costs, ...)
   report.md                    a table per benchmark, what the drafting policy did (chosen draft lengths,
                                share of passes that drafted, accepted tokens by proposer), the speedup
-                               model, the batch sweep
+                               model, the batch sweep (per method: throughput, latency, tau, crossover;
+                               a text plot)
   acceptance_per_position.png  conditional acceptance at each draft position, per benchmark
   tau_by_category.png          tau per category, per benchmark
   speedup_vs_k.png             predicted speedup for each k, and the measured one at the k that ran
-  throughput_vs_batch.png      tokens/s of the whole machine against batch size, plain and speculative
+  throughput_vs_batch.png      tokens/s of the whole machine and per-request latency against batch size,
+                               plain and every swept method (eval/batch.py)
 
     python -m eval.report runs/x/eval/report.json      # re-render report.md and the plots from the JSON
 """
