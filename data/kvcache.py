@@ -9,6 +9,7 @@ fixed-size forwards, captured as CUDA graphs on CUDA). The speculative decoder a
     kv.keep([0, 2, 3])                   # commit these new rows, packed in order; the others are dropped
     kv.truncate(n)                       # forget committed rows past the first n
     kv = DynamicKV(model); kv.run(ids, pad=mask)  # B left-padded rows (batch sweep, generation; see DynamicKV)
+    kv.run(block, parents=P); kv.keep_rows(paths)   # B rows, a tree each (P [B, q-1]), each keeping its own path
 
 The heads' own drafters (heads/) are not causal LMs and keep a DynamicCache directly, through the same
 shims (heads.cache: the cache argument's name, cropping, and `tree_mask`, the one mask builder used here too).
@@ -48,7 +49,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from data.features import FeatureCapture
 from data.target import text_config
 from heads.base import Features, cache_kwarg
-from heads.cache import tree_mask
+from heads.cache import additive_mask, tree_mask
 from heads.tree import is_chain, tree_layout
 
 __all__ = ["CACHE_KINDS", "DynamicKV", "KVCache", "StaticKV", "new_kv", "rollback_cache", "sliding_window"]
@@ -143,9 +144,7 @@ class DynamicKV:
         ids = ids.to(self.device)
         self._pending = ids.shape[1]
         if pad is not None or self.padding is not None:
-            if parents is not None:
-                raise ValueError("DynamicKV: padded rows decode chains (parents None)")
-            return self._padded(ids, logits_to_keep, pad)
+            return self._padded(ids, logits_to_keep, pad, parents)
         # Without parents (prefill, plain steps, draft models) the model masks itself; a verify pass with
         # sliding-window layers gets the window from our mask even for chains.
         if parents is None or (is_chain(parents) and self.window is None):
@@ -155,17 +154,35 @@ class DynamicKV:
         mask = tree_mask(self.length, anc.to(self.device), pos, self.dtype, window=self.window)
         return self._forward(ids, logits_to_keep, attention_mask=mask, position_ids=pos[None])
 
-    def _padded(self, ids: torch.Tensor, logits_to_keep: int,
-                pad: torch.Tensor | None) -> tuple[torch.Tensor, Features | None]:
-        """A pass over (left) padded rows: the mask of committed and new rows, positions of real tokens only."""
+    def _padded(self, ids: torch.Tensor, logits_to_keep: int, pad: torch.Tensor | None,
+                parents: torch.Tensor | None = None) -> tuple[torch.Tensor, Features | None]:
+        """A pass over (left) padded rows: the mask of committed and new rows, positions of real tokens only.
+
+        parents [B, q-1] (row b's tree below its row 0, heads.tree conventions) gives every row its own tree:
+        a 4D mask where row b's new row i sees row b's committed real tokens and its own ancestors, at
+        position (real tokens committed in row b) + depth. None: the new rows are a chain in every row.
+        """
         if pad is not None and self.length:
             raise ValueError("DynamicKV: `pad` belongs to the first pass (the prompts)")
         new = pad.to(self.device) if pad is not None else self.padding.new_ones(ids.shape)
         mask = new if self.padding is None else torch.cat([self.padding, new], dim=1)
         self._new_pad = new
-        # A row's token at mask column j has position mask[:, :j+1].sum() - 1 (pads take none).
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        return self._forward(ids, logits_to_keep, attention_mask=mask, position_ids=pos)
+        if parents is None:
+            # A row's token at mask column j has position mask[:, :j+1].sum() - 1 (pads take none).
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            return self._forward(ids, logits_to_keep, attention_mask=mask, position_ids=pos)
+        if self.padding is None or self.window is not None:
+            raise ValueError("DynamicKV: padded trees need committed rows and a model without sliding windows")
+        b, q = ids.shape
+        allowed = torch.zeros(b, q, self.length + q, dtype=torch.bool, device=self.device)
+        allowed[:, :, :self.length] = self.padding.bool()[:, None, :]
+        pos = self.padding.sum(-1, keepdim=True).repeat(1, q)  # [B, q]: every row's next real position
+        for r in range(b):
+            anc, depths = tree_layout(parents[r])
+            allowed[r, :, self.length:] = anc.to(self.device)
+            pos[r, 1:] += depths.to(self.device)
+        masks = torch.cat([additive_mask(a, self.dtype) for a in allowed])  # [B, 1, q, length + q]
+        return self._forward(ids, logits_to_keep, attention_mask=masks, position_ids=pos)
 
     def keep(self, rows: Sequence[int]) -> None:
         rollback_cache(self.cache, self.length, self._pending, rows)
@@ -174,6 +191,36 @@ class DynamicKV:
             self.padding = kept if self.padding is None else torch.cat([self.padding, kept], dim=1)
             self._new_pad = None
         self.length += len(rows)
+        self._pending = 0
+
+    def keep_rows(self, paths: Sequence[Sequence[int]]) -> None:
+        """Ragged keep for a padded batch: row b keeps the new rows paths[b] (its root and accepted path), packed.
+
+        Every row is given max len(paths) new slots; row b's slots past len(paths[b]) keep whatever was there
+        but are masked out of every later pass (padding 0), so each row's cache holds exactly its own
+        committed tokens and positions still count real tokens only. Example: paths [[0, 1, 2], [0]] -> three
+        new slots per row, row 1's last two masked out. Chain paths are prefixes (a crop, no gather).
+        """
+        if self.padding is None or len(paths) != self.padding.shape[0]:
+            raise ValueError("DynamicKV.keep_rows: one path per row of a padded batch")
+        width = max(len(p) for p in paths)
+        idx = torch.zeros(len(paths), width, dtype=torch.long)
+        kept = torch.zeros(len(paths), width, dtype=self.padding.dtype)
+        for r, p in enumerate(paths):
+            idx[r, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+            kept[r, :len(p)] = 1
+        if any(list(p) != list(range(len(p))) for p in paths):
+            for layer in self.cache.layers:
+                g = (idx.to(layer.keys.device) + self.length)[:, None, :, None]
+                gk = layer.keys.gather(2, g.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+                gv = layer.values.gather(2, g.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+                layer.keys[:, :, self.length:self.length + width] = gk
+                layer.values[:, :, self.length:self.length + width] = gv
+        if self._pending > width:
+            self.cache.crop(-(self._pending - width))
+        self.padding = torch.cat([self.padding, kept.to(self.padding.device)], dim=1)
+        self._new_pad = None
+        self.length += width
         self._pending = 0
 
     def truncate(self, length: int) -> None:

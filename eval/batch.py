@@ -1,34 +1,46 @@
-"""Batch-size sweep: decode tokens/s of the whole machine with and without speculation, batched verification.
+"""Batched exact speculative decoding with any drafter (trained heads included), and the batch-size sweep.
 
-Design (greedy, exact). All B rows share one KV cache (left padded, one attention mask). Each round:
-  1. every row's drafter proposes up to k tokens after the row's root (the last emitted token, which the
-     target has not seen yet); shorter drafts are padded with a filler token up to the longest one;
-  2. one target pass runs over [root, d_1 .. d_k] for all rows: argmax g_0 .. g_k, where g_i is the
-     target's greedy token after root, d_1 .. d_i;
-  3. row r accepts a_r = the number of leading i with d_(i+1) == g_i (fillers never count);
-  4. the batch advances by m = min_r a_r plus one token: every row emits g_0 .. g_m. For a row with
-     a_r > m, g_m equals its accepted draft d_(m+1); for a row with a_r == m it is the row's correction.
-     Either way g_0 .. g_m is exactly what plain greedy decoding emits, so truncating an exact acceptance
-     keeps it exact, and every row stays the same length (one cache, one mask);
-  5. the cache keeps root, d_1 .. d_m (m+1 entries per row) and drops the rest; g_m is the new root.
-Worked example, k = 3, two rows: row 0 drafts [a b c] with g = [a b x y] (a_0 = 2); row 1 drafts
-[p q r] with g = [p z ...] (a_1 = 1). m = 1: both rows emit g_0, g_1 ([a b] and [p z]); the cache keeps
-[root, d_1]; the new roots are b and z. Row 0 loses its accepted `b`-then-`x`, which it re-drafts next round.
-Plain decoding is the same loop with k = 0. Rows never stop at EOS: every row decodes `max_new_tokens`
-tokens so the token count is fixed (it is a throughput measurement, not a chat).
+    from eval.batch import batched_generate
+    res = batched_generate(model, prompts, 32, pad_id, k=4, make_drafter=make_head)   # res.tokens [B, 32]
+    python -m eval.run --head runs/qs/head --drafter head+ngram --batch-sizes 1,4,16 --out E   # the sweep
 
-The drafter per row is any `heads.base.Drafter` that needs no target features (capture_layers None), by
-default eval.drafters' n-gram prompt lookup; a head's drafter would need per-row features from the batched
-pass and is not used here (the report says which drafter ran).
+Design. All B rows share one left-padded KV cache (data.kvcache.DynamicKV, one attention mask). Every row
+has its own drafter (heads.base.Drafter: begun on the row's prompt and the row's captured features), its
+own draft policy and its own GenerationStats. One pass:
+  1. each row drafts through the decoder's own `draft_pass` (the policy's lengths, or k; capped so the row
+     never passes max_new_tokens); a row may draft nothing;
+  2. ONE target forward over [root_r, nodes_r ..] of every row, shorter drafts padded with filler nodes
+     (the root's token, each a child of the root: never an ancestor of a real node). Chains go through the
+     padded causal mask, trees through a per-row 4D mask (DynamicKV._padded); the pass captures the
+     layers the drafters need (`capture_layers`) for every row;
+  3. each row is judged by the decoder's own `judge` (verify_tree: greedy, or the exact sampling rule with
+     the row's generator) on its own rows of the logits: it accepts its OWN length a_r;
+  4. ragged keep (DynamicKV.keep_rows): row r keeps its root and accepted path packed; the slots of a row
+     that accepted fewer than the longest are masked out of every later pass, so each row's cache holds
+     exactly its committed tokens and its positions count real tokens only: nothing is truncated to the
+     batch minimum. The drafter of row r commits its path with its own rows of the captured features;
+  5. a row that has its max_new_tokens leaves the batch (DynamicKV.select).
+Greedy rows are therefore token-identical to plain decoding, and sampled rows keep plain sampling's law
+(the decoder's rule, row by row). Rows never stop at EOS (a throughput measurement, not a chat).
 
-    python -m eval.batch --config configs/tiny-eagle.yaml --batch-sizes 1,2,4 --k 4 --max-new-tokens 32
+The drafters draft per row, one after the other: the Drafter protocol is one request's state (its own head
+KV cache), so the head's passes are not batched across rows; only the target's verify pass is.
+
+Load-aware drafting (eval.policy.LoadAware): each row's AdaptivePolicy prices a pass with the row's share of
+a batch pass, T(B, n) / B, from the cost surface T(B, n) measured before the sweep (eval.costs.
+measure_cost_surface) and refined by the run's own timed batch passes; then a batch gate drops the drafts of
+rows whose drafting would widen the shared pass more than their expected tokens pay for, down to a plain
+pass (nothing drafted: the drafters are not called, their commits wait in DeferredSync).
+
+    python -m pytest -q tests/test_batch.py
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
 import torch
@@ -36,16 +48,26 @@ from torch import nn
 
 from data.kvcache import DynamicKV
 from data.tokenize import left_pad
-from heads.base import Drafter
+from eval.decoder import DraftPolicy, GenerationStats, draft_pass, judge, record_verdict, speculative_generate
+from eval.policy import LoadAware
+from heads.base import Drafter, DraftTree, Features
+
+__all__ = ["BatchResult", "Method", "batched_generate", "sweep"]
+
+_EMPTY = DraftTree.chain(torch.empty(0, dtype=torch.long))  # a row that drafts nothing this pass
 
 
 @dataclass
 class BatchResult:
-    """One batched generation: tokens [B, max_new_tokens], target passes, decode seconds (prefill excluded)."""
+    """One batched generation: tokens [B, max_new_tokens], batch passes, decode seconds (prefill excluded),
+    the rows' merged stats and each row's finish time (seconds after decoding started)."""
 
     tokens: torch.Tensor
     passes: int
     decode_s: float
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    finish_s: list[float] = field(default_factory=list)
+    row_stats: list[GenerationStats] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -53,18 +75,61 @@ class BatchResult:
 
     @property
     def tau(self) -> float:
-        """Tokens per row per target pass, counting the corrected/bonus token (prefill's token excluded)."""
-        return (self.tokens.shape[1] - 1) / max(self.passes, 1)
+        """Tokens per row per target pass it took part in, counting the corrected/bonus token (GenerationStats')."""
+        return self.stats.tau
+
+    @property
+    def latency_s(self) -> float:
+        """Mean per-request decode latency: when each row had all its tokens."""
+        return sum(self.finish_s) / len(self.finish_s) if self.finish_s else 0.0
 
 
-def _chain_tokens(drafter: Drafter, k: int) -> list[int]:
-    tree = drafter.draft(k, 0.0)
-    n = len(tree)
-    if n > k:
-        raise ValueError(f"drafter returned {n} tokens for k={k}")
-    if n and not torch.equal(tree.parents.cpu(), torch.arange(-1, n - 1)):
-        raise ValueError("the batch sweep verifies chains only; the drafter returned a tree")
-    return [int(t) for t in tree.tokens.tolist()]
+@dataclass
+class _Row:
+    """One request of the batch: its drafter, policy, emitted tokens, stats and sampling generator."""
+
+    prompt: list[int]
+    drafter: Drafter | None
+    policy: DraftPolicy | None
+    generator: torch.Generator | None
+    max_new: int
+    out: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=lambda: GenerationStats(generations=1))
+    tree: DraftTree | None = None
+
+
+def _row_features(feats: Features | None, r: int, cols: torch.Tensor) -> Features | None:
+    """Row r's features at columns `cols` of the last pass ([1, len(cols), ...], the decoder's layout)."""
+    if feats is None:
+        return None
+    return Features(last=feats.last[r:r + 1, cols], aux=None if feats.aux is None else feats.aux[r:r + 1, cols])
+
+
+def _block(rows: list[_Row], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pass's input [B, W+1] (root, nodes, fillers) and, when some row drafted a tree, parents [B, W]."""
+    width = max(len(r.tree) for r in rows)
+    ids = torch.empty(len(rows), width + 1, dtype=torch.long)
+    parents = torch.full((len(rows), width), -1, dtype=torch.long)  # fillers hang off the root
+    tree = False
+    for i, r in enumerate(rows):
+        n = len(r.tree)
+        ids[i] = r.out[-1]  # the root; also the fillers' token (never judged)
+        ids[i, 1:n + 1] = r.tree.tokens.cpu()
+        parents[i, :n] = r.tree.parents.cpu()
+        tree = tree or not bool(torch.equal(r.tree.parents.cpu(), torch.arange(-1, n - 1)))
+    return ids.to(device), (parents if tree else None)
+
+
+def _begin(rows: list[_Row], kv: DynamicKV, ids: torch.Tensor, mask: torch.Tensor, sampling: dict[str, Any]) -> None:
+    """Prefill: every row's first token from its last prompt position; drafters begun on their row's features."""
+    logits, feats = kv.run(ids, pad=mask)
+    kv.keep(range(ids.shape[1]))
+    for i, r in enumerate(rows):
+        r.out.append(judge(_EMPTY, logits[i, -1:], generator=r.generator, **sampling).next_token)
+        if r.drafter is not None and len(r.out) < r.max_new:
+            cols = mask[i].nonzero().reshape(-1).to(logits.device)
+            prompt = torch.tensor([r.prompt], dtype=torch.long, device=logits.device)  # [1, T], as the decoder passes it
+            r.drafter.begin(prompt, _row_features(feats, i, cols), r.out[0])
 
 
 @torch.no_grad()
@@ -75,54 +140,137 @@ def batched_generate(
     pad_id: int,
     k: int = 0,
     make_drafter: Callable[[], Drafter] | None = None,
+    make_policy: Callable[[], DraftPolicy] | None = None,
+    load: LoadAware | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
 ) -> BatchResult:
-    """Greedy-decode every prompt row for `max_new_tokens` tokens; speculative when k > 0 (see module doc)."""
-    if k > 0 and make_drafter is None:
-        raise ValueError("k > 0 needs a drafter factory")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    """Decode every prompt row for exactly `max_new_tokens` tokens (see the module doc); plain when k == 0 and no
+    policy. make_policy: a fresh per-row policy (eval.decoder.DraftPolicy); load: the batch's load-aware pricing
+    and gate (needs make_policy). Sampled rows (temperature > 0) draw with generator seed + row index."""
+    if (k > 0 or make_policy is not None) and make_drafter is None:
+        raise ValueError("speculative batches need a drafter factory")
+    if load is not None and make_policy is None:
+        raise ValueError("a load-aware batch needs per-row policies (make_policy)")
+    if max_new_tokens < 1 or k < 0:
+        raise ValueError(f"need max_new_tokens >= 1 and k >= 0, got {max_new_tokens}, {k}")
     device = next(model.parameters()).device
+    speculative = k > 0 or make_policy is not None
+    rows = []
+    for i, p in enumerate(prompts):
+        gen = torch.Generator().manual_seed(seed + i) if temperature > 0 else None
+        rows.append(_Row(list(p), make_drafter() if speculative else None,
+                         make_policy() if make_policy is not None else None, gen, max_new_tokens))
+    for r in rows:
+        if r.policy is not None:
+            r.policy.reset(k)
+    capture = rows[0].drafter.capture_layers if speculative else None
     ids, mask = left_pad(prompts, pad_id)
-    # One cache for all rows, left padded: it keeps the rows' mask and counts positions of real tokens only.
-    kv = DynamicKV(model)
-    logits = kv.run(ids, pad=mask)[0]
-    kv.keep(range(ids.shape[1]))
-    root = logits[:, -1].argmax(-1)  # [B]: the first new token of every row (from prefill, not timed)
-    emitted = [root[:, None]]
-    n_out = 1
-    drafters: list[Drafter] = []
-    if k > 0:
-        for i, row in enumerate(prompts):
-            d = make_drafter()
-            if d.capture_layers is not None:
-                raise ValueError("the batch sweep runs drafters that need no target features")
-            d.begin(torch.tensor(list(row), dtype=torch.long), None, int(root[i]))
-            drafters.append(d)
-    passes = 0
-    t0 = time.perf_counter()
-    while n_out < max_new_tokens:
-        drafts = [_chain_tokens(d, k) for d in drafters] if k > 0 else []
-        width = max((len(d) for d in drafts), default=0)
-        # Fillers: pad shorter drafts with the row's root; they are excluded from acceptance below.
-        block = [[int(root[i])] + d + [int(root[i])] * (width - len(d)) for i, d in enumerate(drafts)]
-        x = torch.tensor(block, dtype=torch.long, device=device) if width else root[:, None]
-        g = kv.run(x)[0].argmax(-1)  # [B, width+1]; g[:, i] follows x[:, :i+1]
+    kv = DynamicKV(model, capture)
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    _begin(rows, kv, ids, mask, sampling)
+    active = [r for r in rows if len(r.out) < max_new_tokens]
+    finish = {id(r): 0.0 for r in rows}
+    passes, t0 = 0, time.perf_counter()
+    while active:
+        _draft_all(active, k, temperature, load)
+        block, parents = _block(active, device)
+        tv = time.perf_counter()
+        logits, feats = kv.run(block, parents)
+        verdicts = [judge(r.tree, logits[i, :len(r.tree) + 1], generator=r.generator, **sampling)
+                    for i, r in enumerate(active)]
+        kv.keep_rows([v.path for v in verdicts])
+        if load is not None:
+            load.observe(len(active), block.shape[1], time.perf_counter() - tv)
         passes += 1
-        m = width
-        for i, d in enumerate(drafts):
-            a = 0
-            while a < len(d) and d[a] == int(g[i, a]):
-                a += 1
-            m = min(m, a)
-        kv.keep(range(m + 1))  # root and the m drafts every row accepted
-        emitted.append(g[:, : m + 1])
-        n_out += m + 1
-        root = g[:, m]
-        for i, d in enumerate(drafters):
-            d.commit(list(range(m)), None, int(root[i]))
+        keep = []
+        for i, (r, v) in enumerate(zip(active, verdicts)):
+            record_verdict(r.stats, r.policy, r.tree, v, None)
+            r.out.extend(v.tokens[:max_new_tokens - len(r.out)])
+            if len(r.out) < max_new_tokens:
+                keep.append(i)
+                if r.drafter is not None:
+                    cols = torch.tensor(v.path, device=logits.device)
+                    r.drafter.commit(v.accepted, _row_features(feats, i, cols), v.next_token)
+            else:
+                finish[id(r)] = time.perf_counter() - t0
+        if len(keep) < len(active):
+            kv.select(torch.tensor(keep, dtype=torch.long, device=device))
+            active = [active[i] for i in keep]
     decode_s = time.perf_counter() - t0
-    tokens = torch.cat(emitted, dim=1)[:, :max_new_tokens].cpu()
-    return BatchResult(tokens, passes, decode_s)
+    stats = GenerationStats()
+    for r in rows:
+        r.stats.new_tokens = len(r.out)
+        stats = stats.merge(r.stats)
+    tokens = torch.tensor([r.out for r in rows], dtype=torch.long)
+    return BatchResult(tokens, passes, decode_s, stats, [finish[id(r)] for r in rows], [r.stats for r in rows])
+
+
+def _draft_all(active: list[_Row], k: int, temperature: float, load: LoadAware | None) -> None:
+    """Every active row's draft for this pass (empty without a drafter); under `load`, the gated choices."""
+    budgets = [r.max_new - len(r.out) - 1 for r in active]  # the pass itself adds one token (the decoder's rule)
+    chosen: list[dict[str, int] | None] = [None] * len(active)
+    if load is not None:
+        chosen = list(load.choose([(r.drafter, r.policy) for r in active], budgets))
+    for r, c, b in zip(active, chosen, budgets):
+        r.tree = _EMPTY if r.drafter is None else draft_pass(r.drafter, r.policy, k, b, temperature, r.stats, chosen=c)
+
+
+@dataclass
+class Method:
+    """One speculative method of the sweep: its drafter factory, fixed k or per-row policy, load-aware or not."""
+
+    name: str
+    k: int
+    make_drafter: Callable[[], Drafter]
+    make_policy: Callable[[], DraftPolicy] | None = None
+    load_aware: bool = False  # price with the cost surface and gate the batch (needs make_policy)
+
+
+def _single_stream_tau(model: nn.Module, prompt: Sequence[int], m: Method, max_new_tokens: int) -> float:
+    """The single-stream decoder's tau on the same row (the batch-1 check: the same drafter, k and policy)."""
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=next(model.parameters()).device)
+    _, st = speculative_generate(model, ids, m.make_drafter(), m.k, max_new_tokens,
+                                 policy=m.make_policy() if m.make_policy is not None else None)
+    return st.tau
+
+
+def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, methods: Sequence[Method],
+               max_new_tokens: int, surface: dict[int, Any] | None, repeats: int,
+               progress: Callable[[str], None] | None) -> dict[str, Any]:
+    """One batch size of the sweep: every method and plain, `repeats` rotated rounds (see `sweep`)."""
+    order: list[Method | None] = [None, *methods]  # None = plain
+    runs: dict[str, list[tuple[BatchResult, int]]] = {"plain": [], **{m.name: [] for m in methods}}
+    for rep in range(repeats):
+        for m in order[rep % len(order):] + order[:rep % len(order)]:
+            if m is None:
+                runs["plain"].append((batched_generate(model, batch, max_new_tokens, pad_id), 0))
+                continue
+            load = LoadAware(surface) if m.load_aware and surface else None
+            res = batched_generate(model, batch, max_new_tokens, pad_id, k=m.k, make_drafter=m.make_drafter,
+                                   make_policy=m.make_policy, load=load)
+            runs[m.name].append((res, load.gated if load is not None else 0))
+    plain = [r for r, _ in runs["plain"]]
+    row: dict[str, Any] = {"batch_size": len(batch), "plain_tok_s": median(r.tokens_per_s for r in plain),
+                           "plain_latency_s": median(r.latency_s for r in plain), "methods": {}}
+    for m in methods:
+        res = [r for r, _ in runs[m.name]]
+        first = res[0]
+        row["methods"][m.name] = {
+            "tok_s": median(r.tokens_per_s for r in res),
+            "speedup": median(r.tokens_per_s / p.tokens_per_s for r, p in zip(res, plain)),
+            "speedups": [r.tokens_per_s / p.tokens_per_s for r, p in zip(res, plain)],
+            "latency_s": median(r.latency_s for r in res), "tau": median(r.tau for r in res),
+            "identical": all(bool(torch.equal(plain[0].tokens, r.tokens)) for r in res),
+            "chosen_k": {s: {str(n): c for n, c in cs.items()} for s, cs in first.stats.chosen_k.items()},
+            "gated_drafts": runs[m.name][0][1]}
+        if progress is not None:
+            r = row["methods"][m.name]
+            progress(f"batch {len(batch)}: plain {row['plain_tok_s']:.1f} tok/s, {m.name} {r['tok_s']:.1f} tok/s "
+                     f"({r['speedup']:.2f}x, tau {r['tau']:.2f}; {repeats} rounds)")
+    return row
 
 
 def sweep(
@@ -130,49 +278,48 @@ def sweep(
     prompts: Sequence[Sequence[int]],
     pad_id: int,
     batch_sizes: Sequence[int],
-    k: int,
-    make_drafter: Callable[[], Drafter],
+    methods: Sequence[Method],
     max_new_tokens: int = 32,
-    drafter_name: str = "ngram",
+    surface: dict[int, Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """tokens/s at each batch size, plain and speculative, run back to back (plain first) per batch size.
+    """Throughput and per-request latency at each batch size: plain and every method, back to back per size,
+    `repeats` rounds with the order rotated each round (a method's speedup is the median of its per-round
+    ratios to that round's plain run, so load drift on a shared machine hits both sides of each ratio).
 
-    Rows are the prompts cycled to fill the batch. Returns the report's `batch_sweep` section:
-    {"drafter", "k", "max_new_tokens", "greedy", "rows": [{batch_size, plain_tok_s, spec_tok_s, speedup,
-    tau, identical}], "crossover_batch_size"}; the crossover is the first batch size whose speculative
-    throughput is not above plain (None when speculation pays over the whole range).
+    Rows are the prompts cycled to fill the batch. Returns the report's `batch_sweep` section: {"methods",
+    "max_new_tokens", "rows": [{batch_size, plain_tok_s, plain_latency_s, methods: {name: {tok_s, speedup,
+    latency_s, tau, identical, chosen_k}}}], "crossover": {name: batch size}, "single_stream_tau": {name:
+    tau}, "cost_surface_ms"}. A method's crossover is the first batch size whose throughput is not above
+    plain (None when it pays over the whole range); single_stream_tau is the decoder's tau on batch 1's row.
+    surface (eval.costs.measure_cost_surface) is required by load-aware methods.
     """
     if not prompts:
         raise ValueError("batch sweep needs at least one prompt")
-    # One untimed small run so first-call allocation and kernel selection hit neither side.
-    batched_generate(model, [prompts[0]], 2, pad_id)
+    if any(m.load_aware for m in methods) and not surface:
+        raise ValueError("a load-aware method needs the measured cost surface")
+    batched_generate(model, [prompts[0]], 2, pad_id)  # untimed: first-call allocation hits neither side
     rows = []
     for b in batch_sizes:
         if b < 1:
             raise ValueError(f"batch size must be >= 1, got {b}")
-        batch = [prompts[i % len(prompts)] for i in range(b)]
-        plain = batched_generate(model, batch, max_new_tokens, pad_id)
-        spec = batched_generate(model, batch, max_new_tokens, pad_id, k=k, make_drafter=make_drafter)
-        row = {
-            "batch_size": b,
-            "plain_tok_s": plain.tokens_per_s,
-            "spec_tok_s": spec.tokens_per_s,
-            "speedup": spec.tokens_per_s / plain.tokens_per_s,
-            "tau": spec.tau,
-            "identical": bool(torch.equal(plain.tokens, spec.tokens)),
-        }
-        rows.append(row)
-        if progress is not None:
-            progress(f"batch {b}: plain {row['plain_tok_s']:.1f} tok/s, speculative {row['spec_tok_s']:.1f} tok/s "
-                     f"({row['speedup']:.2f}x, tau {row['tau']:.2f})")
-    crossover = next((r["batch_size"] for r in rows if r["speedup"] <= 1.0), None)
+        rows.append(_sweep_row(model, [prompts[i % len(prompts)] for i in range(b)], pad_id, methods,
+                               max_new_tokens, surface, repeats, progress))
+    crossover = {m.name: next((r["batch_size"] for r in rows if r["methods"][m.name]["speedup"] <= 1.0), None)
+                 for m in methods}
     return {
-        "drafter": drafter_name,
-        "k": k,
+        "methods": [m.name for m in methods],
+        "k": {m.name: m.k for m in methods},
+        "policy": {m.name: "load-aware" if m.load_aware else "adaptive" if m.make_policy else "fixed"
+                   for m in methods},
         "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
         "greedy": True,
         "tokens_per_s": "decode only (prefill excluded), all rows together",
+        "latency": "mean per-request decode seconds (until a row has all its tokens)",
         "rows": rows,
-        "crossover_batch_size": crossover,
+        "crossover": crossover,
+        "single_stream_tau": {m.name: _single_stream_tau(model, prompts[0], m, max_new_tokens) for m in methods},
+        "cost_surface_ms": {str(b): v.ms() for b, v in (surface or {}).items()},
     }

@@ -6,6 +6,7 @@ decoder's k is chosen from measurements, never assumed:
     T = measure_verify_cost(model, context_len=256)          # VerifyCost: T(n) seconds for n new tokens
     acc, draft = calibrate(model, drafter, prompts, k=8)     # Calibration: acceptance per depth + DraftCost
     k, speedup = choose_k(acc, T, draft, k_max=16)           # k = 0 means plain decoding is fastest
+    S = measure_cost_surface(model, (1, 4, 16), (1, 2, 5))   # {B: VerifyCost}: T(B, n), B rows of n tokens
 
 The model (all times per target pass, one pass verifies the root plus the n draft nodes):
     E(k)     = 1 + f * sum_{j=1..k} prod_{i<=j} a_i     expected tokens per pass (the bonus/corrected token is
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from data.kvcache import new_kv
+from data.kvcache import DynamicKV, new_kv
 from eval.decoder import GenerationStats, speculative_generate
 from heads.base import Drafter
 
@@ -123,6 +124,49 @@ def measure_verify_cost(
                 times.append(dt)
         out[int(k)] = statistics.median(times)
     return VerifyCost(seconds=out, context_len=context_len)
+
+
+@torch.no_grad()
+def measure_cost_surface(
+    model: nn.Module,
+    batch_sizes: Sequence[int],
+    ns: Sequence[int] = (1, 2, 3, 4, 6, 9, 17),
+    context_len: int = 128,
+    repeats: int = 5,
+    seed: int = 0,
+) -> dict[int, VerifyCost]:
+    """T(B, n): median seconds of one target forward over B rows of n new tokens each, per batch size B.
+
+    The batched decoder's own pass (eval.batch): a left-padded DynamicKV of B rows holding `context_len`
+    random tokens each, the padded mask, all logits kept; every timed forward is dropped again. One untimed
+    warm-up round, then `repeats` rounds over every n in turn (round-robin, so load drift on a shared machine
+    hits every n alike: the curve's shape, which is what the policy prices, survives a busy machine better
+    than its level). Returns {B: VerifyCost} (eval.policy.LoadAware's surface).
+    """
+    dev = next(model.parameters()).device
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(seed)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    surface: dict[int, VerifyCost] = {}
+    for b in batch_sizes:
+        kv = DynamicKV(model)
+        ctx = torch.randint(vocab, (b, context_len), generator=g)
+        kv.run(ctx, logits_to_keep=1, pad=torch.ones_like(ctx))
+        kv.keep(range(context_len))
+        blocks = {int(n): torch.randint(vocab, (b, n), generator=g) for n in ns}
+        times: dict[int, list[float]] = {n: [] for n in blocks}
+        for r in range(repeats + 1):
+            for n, ids in blocks.items():
+                sync()
+                t = time.perf_counter()
+                kv.run(ids)
+                sync()
+                dt = time.perf_counter() - t
+                kv.keep([])
+                if r:  # round 0 warms up
+                    times[n].append(dt)
+        surface[int(b)] = VerifyCost({n: statistics.median(ts) for n, ts in times.items()}, context_len=context_len)
+    return surface
 
 
 @dataclass

@@ -60,7 +60,11 @@ from heads.tree import check_parents, is_chain, tree_depth
 __all__ = [
     "DraftPolicy",
     "GenerationStats",
+    "Verdict",
+    "draft_pass",
+    "judge",
     "plain_generate",
+    "record_verdict",
     "residual_distribution",
     "sample_token",
     "speculative_generate",
@@ -317,11 +321,14 @@ def plain_generate(
     return torch.tensor(out, dtype=torch.long), stats
 
 
-def _draft(drafter: Drafter, policy: DraftPolicy | None, k: int, budget: int, temperature: float,
-           stats: GenerationStats) -> DraftTree:
+def draft_pass(drafter: Drafter, policy: DraftPolicy | None, k: int, budget: int, temperature: float,
+               stats: GenerationStats, chosen: dict[str, int] | None = None) -> DraftTree:
     """This pass's draft: the policy's lengths per proposer (or k), handed to a multi-proposer drafter as its
-    `budgets` (HybridDrafter); an empty chain when nothing is drafted. The tree's shape is checked."""
-    chosen = {"draft": min(k, budget)} if policy is None else policy.choose(drafter, budget)
+    `budgets` (HybridDrafter); an empty chain when nothing is drafted (the drafter is then not called). The
+    tree's shape is checked. Shared by speculative_generate and the batched loop (eval.batch), per row;
+    `chosen` (eval.policy.LoadAware's gated choice) replaces the policy's own choice for this pass."""
+    if chosen is None:
+        chosen = {"draft": min(k, budget)} if policy is None else policy.choose(drafter, budget)
     kk = max(chosen.values(), default=0)
     if kk > budget:
         raise ValueError(f"policy chose draft lengths {chosen} with only {budget} tokens left to make")
@@ -337,6 +344,36 @@ def _draft(drafter: Drafter, policy: DraftPolicy | None, k: int, budget: int, te
     if not is_chain(tree.parents):
         check_parents(tree.parents.tolist())
     return tree
+
+
+@dataclass
+class Verdict:
+    """What the target made of one verified tree: the accepted node indices (root side first), the next token
+    (correction or bonus), the cache rows to keep ([0] = the root, then a + 1 per accepted node) and the
+    tokens the pass emits (the accepted drafts, then the next token; before any eos truncation)."""
+
+    accepted: list[int]
+    next_token: int
+    path: list[int]
+    tokens: list[int]
+
+
+def judge(tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+          generator: torch.Generator | None) -> Verdict:
+    """One verify pass's decision: logits [len(tree) + 1, V] of [root, nodes...] through the target's processors
+    and `verify_tree`. The single-stream decoder and every row of the batched loop (eval.batch) call this."""
+    rows = logits if temperature <= 0 else target_distribution(logits, temperature, top_k, top_p)
+    accepted, nxt = verify_tree(tree, rows, temperature, generator)
+    draft_tokens = tree.tokens.tolist()
+    return Verdict(accepted, nxt, [0] + [a + 1 for a in accepted], [draft_tokens[a] for a in accepted] + [nxt])
+
+
+def record_verdict(stats: GenerationStats, policy: DraftPolicy | None, tree: DraftTree, verdict: Verdict,
+                   seconds: float | None) -> None:
+    """The pass into the stats and the policy (seconds: the timed verify, None when the caller times it)."""
+    _record(stats, tree, verdict.accepted)
+    if policy is not None:
+        policy.observe(tree, verdict.accepted, seconds)
 
 
 def _record(stats: GenerationStats, tree: DraftTree, accepted: list[int]) -> None:
@@ -399,23 +436,19 @@ def speculative_generate(
     while not done:
         td = perf()
         # Never draft past max_new_tokens: the pass itself always adds one token.
-        tree = _draft(drafter, policy, k, max_new_tokens - len(out) - 1, temperature, stats)
+        tree = draft_pass(drafter, policy, k, max_new_tokens - len(out) - 1, temperature, stats)
         tv = perf()
         stats.draft_time_s += tv - td
         # Built where the drafter left its tokens; the cache moves them (a static one without a host sync).
         logits, feats = kv.run(torch.cat([tree.tokens.new_tensor([out[-1]]), tree.tokens])[None], tree.parents)
-        rows = logits[0] if temperature <= 0 else target_distribution(logits[0], temperature, top_k, top_p)
-        accepted, nxt = verify_tree(tree, rows, temperature, generator)
+        verdict = judge(tree, logits[0], temperature, top_k, top_p, generator)
+        accepted, nxt, path = verdict.accepted, verdict.next_token, verdict.path
         # The pass added the root (kept) and the nodes (keep the accepted ones, packed after the root).
-        path = [0] + [a + 1 for a in accepted]
         kv.keep(path)
         verify_s = perf() - tv
         stats.verify_time_s += verify_s
-        _record(stats, tree, accepted)
-        if policy is not None:
-            policy.observe(tree, accepted, verify_s)
-        draft_tokens = tree.tokens.tolist()
-        new, done = _truncate_at_eos([draft_tokens[a] for a in accepted] + [nxt], eos)
+        record_verdict(stats, policy, tree, verdict, verify_s)
+        new, done = _truncate_at_eos(verdict.tokens, eos)
         out.extend(new)
         if len(out) >= max_new_tokens:
             del out[max_new_tokens:]

@@ -169,9 +169,17 @@ class AdaptivePolicy:
 
         reach[s][d-1] = P_s(d) may be passed in when it is already computed (choose prices many l at once).
         """
+        if max(lengths.values(), default=0) == 0:
+            return 1.0
+        e, draft_s, nodes = self.expected(lengths, reach)
+        return speedup(e, draft_s + self._verify(1 + nodes), self._verify(1))
+
+    def expected(self, lengths: Mapping[str, int],
+                 reach: Mapping[str, list[float]] | None = None) -> tuple[float, float, int]:
+        """(E(l) tokens, drafting seconds, draft nodes) of a pass drafting these per-proposer lengths."""
         depth = max(lengths.values(), default=0)
         if depth == 0:
-            return 1.0
+            return 1.0, 0.0, 0
         if reach is None:
             reach = {s: list(itertools.accumulate(self.rates(s), lambda x, y: x * y)) for s in lengths}
         miss = [1.0] * depth  # P(no proposer's chain reaches depth d)
@@ -180,13 +188,18 @@ class AdaptivePolicy:
             for d in range(n):
                 miss[d] *= 1.0 - r[d]
         e = 1.0 + depth - sum(miss)
-        t, nodes = 0.0, 1
+        t, nodes = 0.0, 0
         for s, n in lengths.items():
             if n:
                 m = self._nodes(s, n)
                 t += self.costs[s](m)
                 nodes += m
-        return speedup(e, t + self._verify(nodes), self._verify(1))
+        return e, t, nodes
+
+    def use_verify(self, verify: Any) -> None:
+        """Price passes with another verify curve from now on (eval.batch: the share of a batch pass at the
+        batch's current size); anything with __call__(n), `version` and observe(n, seconds)."""
+        self.verify, self._t_version = verify, -1
 
     def best_lengths(self, sources: Sequence[str], limit: Mapping[str, int]) -> dict[str, int]:
         """The lengths (each 0..limit[s]) with the highest predicted_speedup; ties go to the shorter.
@@ -273,3 +286,125 @@ class AdaptivePolicy:
                 jud[d] = self.decay * jud[d] + 1.0
                 acc[d] = self.decay * acc[d] + float(d < got)
             self.width[s] = 0.5 * self.width[s] + 0.5 * len(mine) / max(depth[i] for i in mine)
+
+
+class ScaledCurve:
+    """T(B, n) for one batch size: the measured curve's shape (isotonic fit) times a load factor learned from
+    the run's timed passes (decayed mean of observed / measured seconds, over every n observed).
+
+    Why not LearnedVerifyCost here: in a batch most passes have one width (plain passes, once drafting is
+    off), so a per-n blend would follow the machine's load at that width only while the other widths kept
+    the probe's quieter (or busier) value, and the ratio the policy prices would drift with the load, not
+    with the cost. A common factor keeps the measured ratios T(B, n) / T(B, 1) and follows the level.
+    """
+
+    def __init__(self, probe: VerifyCost, decay: float = 0.9):
+        self.fit, self.decay = isotonic(probe), decay
+        self.ratio, self.count = 0.0, 0.0
+        self.version = 0
+
+    @property
+    def scale(self) -> float:
+        return self.ratio / self.count if self.count else 1.0
+
+    def observe(self, n: int, seconds: float) -> None:
+        self.ratio = self.decay * self.ratio + seconds / max(self.fit(n), 1e-12)
+        self.count = self.decay * self.count + 1.0
+        self.version += 1
+
+    def __call__(self, n: int) -> float:
+        return self.fit(n) * self.scale
+
+
+class RowShare:
+    """One row's share of a batch pass at batch size `batch`: n -> T(batch, n) / batch, from the batch size's
+    learned curve. An AdaptivePolicy priced with it weighs a row's expected tokens against what its draft adds
+    to the one pass every row shares (eval.batch)."""
+
+    def __init__(self, learned: LearnedVerifyCost | ScaledCurve, batch: int):
+        self.learned, self.batch = learned, batch
+
+    @property
+    def version(self) -> int:
+        return self.learned.version
+
+    def __call__(self, n: int) -> float:
+        return self.learned(n) / self.batch
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A timed row share (seconds of the whole pass / batch) teaches the batch size's curve."""
+        self.learned.observe(n, seconds * self.batch)
+
+
+def _between(surface: Mapping[int, VerifyCost], batch: int) -> VerifyCost:
+    """T(batch, n) for a batch size that was not measured: linear in the batch size between the measured
+    neighbours (along the last segment beyond them; the smallest measured one below them)."""
+    sizes = sorted(surface)
+    if batch <= sizes[0] or len(sizes) == 1:
+        return surface[sizes[0] if batch <= sizes[0] else sizes[-1]]
+    lo, hi = sizes[-2], sizes[-1]
+    for a, b in zip(sizes, sizes[1:]):
+        if a < batch < b:
+            lo, hi = a, b
+    ns = sorted(set(surface[lo].seconds) | set(surface[hi].seconds))
+    f = (batch - lo) / (hi - lo)
+    seconds = {n: max(surface[lo](n) + f * (surface[hi](n) - surface[lo](n)), 1e-9) for n in ns}
+    return VerifyCost(seconds, surface[lo].context_len)
+
+
+class LoadAware:
+    """Load-aware drafting for a batch (eval.batch): every row's AdaptivePolicy priced by its share of the
+    batch pass, then a gate on the batch's throughput.
+
+    surface: batch size -> T(B, n) (eval.costs.measure_cost_surface), each scaled by the load the run's own
+    timed passes at that size show (ScaledCurve; an unmeasured size starts from the measured neighbours).
+    Per pass, with B rows: row r's policy chooses its lengths against n -> T(B, n) / B (RowShare), which gives
+    its expected tokens E_r, drafting seconds D_r and nodes n_r (AdaptivePolicy.expected). The pass is as wide
+    as its widest row, so the gate keeps the drafts of the rows with n_r <= w for the w (0 or one of the n_r)
+    maximising  sum_r E_r(w) / (sum_r D_r(w) + T(B, 1 + w))  (a dropped row: E 1, D 0), and w = 0 (a plain
+    pass, no drafter called) unless that beats plain decoding's B / T(B, 1) by `margin` (default 5%: the
+    measured costs are noisy on a shared machine, and a predicted gain smaller than that noise is not worth
+    risking a loss for). So drafting never buys a pass the cost surface says is slower than plain decoding,
+    at any batch size. `gated` counts dropped drafts.
+    """
+
+    def __init__(self, surface: Mapping[int, VerifyCost], margin: float = 1.05):
+        if not surface or margin < 1.0:
+            raise ValueError("LoadAware: need a non-empty cost surface and margin >= 1")
+        self.surface, self.margin = dict(surface), margin
+        self.curves: dict[int, ScaledCurve] = {}
+        self.gated = 0
+
+    def curve(self, batch: int) -> ScaledCurve:
+        """T(batch, n): the measured (or interpolated) shape at the load the run's passes show."""
+        if batch not in self.curves:
+            self.curves[batch] = ScaledCurve(self.surface.get(batch) or _between(self.surface, batch))
+        return self.curves[batch]
+
+    def observe(self, batch: int, n: int, seconds: float) -> None:
+        """One timed batch pass: `batch` rows of n tokens each (root, nodes, fillers)."""
+        self.curve(batch).observe(n, seconds)
+
+    def choose(self, rows: Sequence[tuple[Any, AdaptivePolicy]], budgets: Sequence[int]) -> list[dict[str, int]]:
+        """This pass's lengths per row (rows: (drafter, policy) pairs; budgets: each row's draft cap)."""
+        b = len(rows)
+        curve = self.curve(b)
+        share = RowShare(curve, b)
+        choices, plans = [], []
+        for (drafter, policy), budget in zip(rows, budgets):
+            policy.use_verify(share)
+            c = policy.choose(drafter, budget)
+            choices.append(c)
+            plans.append(policy.expected(c))
+        best_w, best = 0, self.margin * b / curve(1)
+        for w in sorted({n for _, _, n in plans if n}):
+            kept = [p for p in plans if p[2] <= w]
+            e = sum(p[0] for p in kept) + (b - len(kept))
+            score = e / (sum(p[1] for p in kept) + curve(1 + w))
+            if score > best * (1 + 1e-9):
+                best_w, best = w, score
+        for i, (_, _, n) in enumerate(plans):
+            if n > best_w:
+                choices[i] = dict.fromkeys(choices[i], 0)
+                self.gated += 1
+        return choices

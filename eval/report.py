@@ -8,11 +8,13 @@ Files written into the run folder by `write_report(report, out_dir)` (report.jso
                                batch_sweep, costs, ...)
   report.md                    a table per benchmark, what the drafting policy did (chosen draft lengths,
                                share of passes that drafted, accepted tokens by proposer), the speedup
-                               model, the batch sweep
+                               model, the batch sweep (per method: throughput, latency, tau, crossover;
+                               a text plot)
   acceptance_per_position.png  conditional acceptance at each draft position, per benchmark
   tau_by_category.png          tau per category, per benchmark
   speedup_vs_k.png             predicted speedup for each k, and the measured one at the k that ran
-  throughput_vs_batch.png      tokens/s of the whole machine against batch size, plain and speculative
+  throughput_vs_batch.png      tokens/s of the whole machine and per-request latency against batch size,
+                               plain and every swept method (eval/batch.py)
 
     python -m eval.report runs/x/eval/report.json      # re-render report.md and the plots from the JSON
 """
@@ -126,18 +128,48 @@ def markdown(report: dict[str, Any]) -> str:
         t = sm["tree"]
         lines += ["", f"The run drafted trees (~{t['nodes']} nodes, depth {t['depth']}): its measured tau {_f(t['tau'])} "
                   f"at the measured costs predicts {_f(t['predicted_speedup'], 2, 'x')}."]
-    bs = report["batch_sweep"]
-    lines += ["", "## Batch-size sweep", "",
-              f"Drafter {bs['drafter']}, k = {bs['k']}, greedy, {bs['max_new_tokens']} new tokens per row, "
-              f"tokens/s = {bs['tokens_per_s']}; batched verification advances every row by the minimum accepted "
-              "length plus one (exact).", "",
-              "| batch | plain tok/s | speculative tok/s | speedup | tau | identical |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch_size']} | {_f(r['plain_tok_s'], 1)} | {_f(r['spec_tok_s'], 1)} | {_f(r['speedup'], 2, 'x')} | "
-              f"{_f(r['tau'])} | {_f(r['identical'])} |" for r in bs["rows"]]
-    cross = bs["crossover_batch_size"]
-    lines += ["", "Speculation stops paying at batch size **"
-              + (f"{cross}**." if cross is not None else "none in this range** (it pays at every batch size tried)."), ""]
+    lines += batch_lines(report["batch_sweep"])
     return "\n".join(lines)
+
+
+def batch_lines(bs: dict[str, Any]) -> list[str]:
+    """The batch sweep's section: throughput and per-request latency per batch size and method, the crossovers,
+    and batch 1's tau against the single-stream decoder's on the same row."""
+    names = bs["methods"]
+    lines = ["", "## Batch-size sweep", "",
+             f"Greedy, {bs['max_new_tokens']} new tokens per row, tokens/s = {bs['tokens_per_s']}, latency = "
+             f"{bs['latency']}. Every row keeps its own accepted length (ragged acceptance, eval/batch.py). Methods: "
+             + "; ".join(f"{n} (k {bs['k'][n]}, {bs['policy'][n]})" for n in names) + ".", "",
+             "| batch | plain tok/s | plain latency s | " + " | ".join(f"{n} tok/s (speedup) | {n} latency s | {n} tau"
+                                                            for n in names) + " | identical |",
+             "|---" * (3 + 3 * len(names) + 1) + "|"]
+    for r in bs["rows"]:
+        ms = r["methods"]
+        cells = [f"{_f(ms[n]['tok_s'], 1)} ({_f(ms[n]['speedup'], 2, 'x')}) | {_f(ms[n]['latency_s'])} | "
+                 f"{_f(ms[n]['tau'])}" for n in names]
+        lines.append(f"| {r['batch_size']} | {_f(r['plain_tok_s'], 1)} | {_f(r['plain_latency_s'])} | "
+                     + " | ".join(cells) + f" | {_f(all(ms[n]['identical'] for n in names))} |")
+    lines += ["", "Crossover (the first batch size where a method is not faster than plain): "
+              + ", ".join(f"{n} **{c if c is not None else 'none in this range'}**" for n, c in bs["crossover"].items())
+              + ".", "", "Batch 1 tau against the single-stream decoder's on the same row: "
+              + ", ".join(f"{n} {_f(bs['rows'][0]['methods'][n]['tau'])} / {_f(t)}"
+                          for n, t in bs["single_stream_tau"].items() if bs["rows"]) + ".", ""]
+    lines += ["```", *text_plot(bs), "```", ""]
+    return lines
+
+
+def text_plot(bs: dict[str, Any], width: int = 40) -> list[str]:
+    """Speedup over plain against batch size as text bars (| marks 1.0x), one line per batch size and method."""
+    top = max([1.0] + [m["speedup"] for r in bs["rows"] for m in r["methods"].values()])
+    one = round(width / top)
+    out = []
+    for r in bs["rows"]:
+        for n, m in r["methods"].items():
+            bar = "#" * round(width * m["speedup"] / top)
+            bar = (bar + " " * width)[:width]
+            bar = bar[:one] + "|" + bar[one:]
+            out.append(f"B={r['batch_size']:<3} {n:<18.18} {bar} {m['speedup']:.2f}x")
+    return out
 
 
 def _counts(d: dict[str, int] | None) -> str:
@@ -228,21 +260,27 @@ def plot_speedup_vs_k(report: dict[str, Any], path: Path) -> Path:
 
 
 def plot_throughput(report: dict[str, Any], path: Path) -> Path:
+    """Throughput (left) and per-request latency (right) against batch size, plain and every swept method."""
     bs = report["batch_sweep"]
     b = [r["batch_size"] for r in bs["rows"]]
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    ax.plot(b, [r["plain_tok_s"] for r in bs["rows"]], marker="o", label="plain")
-    ax.plot(b, [r["spec_tok_s"] for r in bs["rows"]], marker="s", label=f"speculative ({bs['drafter']}, k={bs['k']})")
-    if bs["crossover_batch_size"] is not None:
-        ax.axvline(bs["crossover_batch_size"], color="tab:red", linestyle="--", alpha=0.6,
-                   label=f"speculation stops paying: batch {bs['crossover_batch_size']}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(b, [str(x) for x in b])
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("decode tokens/s, all rows together")
-    ax.set_title("Throughput against batch size (greedy, batched verification)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, (ax, lat) = plt.subplots(1, 2, figsize=(11, 4.0))
+    ax.plot(b, [r["plain_tok_s"] for r in bs["rows"]], marker="o", color="black", label="plain")
+    lat.plot(b, [r["plain_latency_s"] for r in bs["rows"]], marker="o", color="black", label="plain")
+    for name in bs["methods"]:
+        ax.plot(b, [r["methods"][name]["tok_s"] for r in bs["rows"]], marker="s", label=f"{name} ({bs['policy'][name]})")
+        lat.plot(b, [r["methods"][name]["latency_s"] for r in bs["rows"]], marker="s", label=name)
+        cross = bs["crossover"].get(name)
+        if cross is not None:
+            ax.axvline(cross, linestyle="--", alpha=0.4, color=ax.lines[-1].get_color())
+    for a_, ylabel in ((ax, "decode tokens/s, all rows together"), (lat, "mean per-request decode latency, s")):
+        a_.set_xscale("log", base=2)
+        a_.set_xticks(b, [str(x) for x in b])
+        a_.set_xlabel("batch size")
+        a_.set_ylabel(ylabel)
+        a_.grid(alpha=0.3)
+        a_.legend(fontsize=7)
+    ax.set_title("Throughput (dashed: a fixed-k method's crossover)")
+    lat.set_title("Latency per request")
     return _save(fig, path)
 
 

@@ -59,19 +59,21 @@ from data.cli import UserError, cli_main, names_arg, number_arg
 from data.config import EvalConfig, RunConfig, TargetConfig, config_text, parse_args, to_dict
 from data.regenerate import eos_ids, render_rows
 from data.target import load_target
-from eval.batch import sweep
+from eval.batch import Method, sweep
 from eval.bench import Question, bench_name, load_questions
 from eval.calibrate import Costs, measure_costs
-from eval.drafters import NgramDrafter
+from eval.costs import measure_cost_surface
+from eval.drafters import HybridDrafter, NgramDrafter
 from eval.report import assemble_report, claim_eval_folder, markdown, write_report
 from eval.tally import BASELINES, benchmarks_section, speedup_section
-from eval.turns import Served, Subject, Target, Turns
+from eval.turns import Served, Subject, Target, Turns, adaptive_policy
 from eval.vllm_engine import ServeError, add_served, check_servable  # imports vllm only when serving
 from heads import registry
 from heads.base import Drafter, load_head, read_head_config
 
 DRAFTERS = ("head", "ngram", "head+ngram")
 POLICIES = ("adaptive", "fixed")
+SURFACE_SIZES = (1, 2, 3, 4, 6, 9, 17)  # tokens per row of the batch cost surface T(B, n): up to k_max 8 x two proposers
 
 
 class EvalError(UserError, ValueError):
@@ -153,15 +155,40 @@ def _plan_line(target_cfg: TargetConfig, subject: Subject, costs: Costs, cfg_eva
             f"{', '.join(['plain'] + subject.methods)}, benchmarks {', '.join(questions)}")
 
 
-def _batch_sweep(target: Target, questions: dict[str, list[Question]], batch_sizes: list[int], k: int,
-                 sweep_new_tokens: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """report.json's `batch_sweep` (eval/batch.py) on every question's first turn, n-gram drafter per row."""
+def _sweep_methods(subject: Subject, costs: Costs) -> list[Method]:
+    """The batch sweep's speculative methods: the drafter under evaluation at its fixed k, the hybrid at k, and
+    the load-aware policy (eval.policy.LoadAware) over the richest of them; n-gram alone without a head."""
+    if subject.drafter == "ngram":
+        return [Method("ngram", costs.k, NgramDrafter),
+                Method("ngram load-aware", costs.k, NgramDrafter, lambda: adaptive_policy(costs, costs.verify, False),
+                       load_aware=True)]
+    make_head = subject.factory(costs.k)
+    name = subject.head_cfg.family
+
+    def hybrid() -> Drafter:
+        return HybridDrafter(make_head())
+
+    return [Method(name, costs.k, make_head), Method(f"{name}+ngram", costs.k, hybrid),
+            Method(f"{name}+ngram load-aware", costs.k, hybrid, lambda: adaptive_policy(costs, costs.verify, True),
+                   load_aware=True)]
+
+
+def _batch_sweep(target: Target, subject: Subject, costs: Costs, questions: dict[str, list[Question]],
+                 batch_sizes: list[int], sweep_new_tokens: int, log: Callable[[str], None],
+                 repeats: int = 2) -> dict[str, Any]:
+    """report.json's `batch_sweep` (eval/batch.py) on every question's first turn: plain, the drafter under
+    evaluation and the hybrid at fixed k, and the load-aware policy priced by the cost surface T(B, n) measured
+    here first (eval.costs.measure_cost_surface)."""
     tok = target.tok
     prompts = render_rows(tok, [[{"role": "user", "content": q.turns[0]}] for qs in questions.values() for q in qs])
-    log(f"batch sweep: batch sizes {batch_sizes}, n-gram drafter per row, k {k}, {sweep_new_tokens} new tokens per row")
+    methods = _sweep_methods(subject, costs)
+    context = sum(len(p) for p in prompts) // len(prompts)
+    log(f"batch sweep: batch sizes {batch_sizes}, methods {', '.join(m.name for m in methods)}, "
+        f"{sweep_new_tokens} new tokens per row; measuring T(B, n) at a {context}-token context first")
+    surface = measure_cost_surface(target.model, batch_sizes, SURFACE_SIZES, context_len=context)
     return sweep(target.model, prompts, tok.pad_token_id if tok.pad_token_id is not None else target.eos[0],
-                 batch_sizes, k, NgramDrafter, max_new_tokens=sweep_new_tokens,
-                 drafter_name="ngram (prompt lookup per row)", progress=log)
+                 batch_sizes, methods, max_new_tokens=sweep_new_tokens, surface=surface, progress=log,
+                 repeats=repeats)
 
 
 def evaluate(
@@ -173,6 +200,7 @@ def evaluate(
     drafter: str = "head",
     baselines: Sequence[str] = BASELINES,
     sweep_new_tokens: int = 32,
+    sweep_repeats: int = 2,
     seed: int = 0,
     loaded: tuple[nn.Module, Any, Any] | None = None,
     log: Callable[[str], None] = print,
@@ -212,7 +240,8 @@ def evaluate(
         except ServeError as e:
             raise EvalError(str(e)) from None
     speedup = speedup_section(runs[0][1], subject.main, costs)
-    batch = _batch_sweep(target, questions, cfg_eval.batch_sizes, costs.k, sweep_new_tokens, log)
+    batch = _batch_sweep(target, subject, costs, questions, cfg_eval.batch_sizes, sweep_new_tokens, log,
+                         sweep_repeats)
     report = assemble_report(target_cfg, head_dir, subject, costs, cfg_eval, target.device,
                              benchmarks=benchmarks, speedup=speedup, batch=batch)
     write_report(report, out_dir, config_yaml)
@@ -238,6 +267,8 @@ def _flags(p: argparse.ArgumentParser) -> None:
                    help="batch sizes of the sweep, e.g. 1,2,4,8,16")
     p.add_argument("--sweep-new-tokens", type=number_arg("--sweep-new-tokens"), default=32,
                    help="tokens per row in the batch sweep")
+    p.add_argument("--sweep-repeats", type=number_arg("--sweep-repeats"), default=2,
+                   help="rounds per batch size in the sweep, order rotated (speedup: median of per-round ratios)")
     p.add_argument("--threads", type=number_arg("--threads", minimum=0),
                    help="torch CPU threads (default without a GPU: 1, see the module doc; "
                    "0 = torch's own choice)")
@@ -278,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     claim_eval_folder(out)  # before any work: a folder eval must not write into is refused at once
     report = evaluate(args.head, ev, out, target_cfg, drafter=drafter,
                       baselines=[b.strip() for b in args.baselines.split(",") if b.strip()],
-                      sweep_new_tokens=args.sweep_new_tokens, seed=cfg.seed, engine=args.engine,
+                      sweep_new_tokens=args.sweep_new_tokens, sweep_repeats=args.sweep_repeats, seed=cfg.seed,
+                      engine=args.engine,
                       config_yaml=config_text(cfg))
     print(markdown(report))
     print(f"wrote {out / 'report.json'}, {out / 'report.md'} and plots")

@@ -165,11 +165,17 @@ class Turns:
 
     def policy_for(self, name: str) -> AdaptivePolicy | None:
         """A fresh per-request policy for a method (None: fixed k); the n-gram baseline keeps its fixed k."""
-        c, main = self.costs, self.subject.main
-        if self.cfg.policy != "adaptive" or name in BASELINES and name != main:
+        if self.cfg.policy != "adaptive" or name in BASELINES and name != self.subject.main:
             return None
-        if name.endswith("+ngram"):
-            return AdaptivePolicy(self.learned, {"head": c.cal.draft_cost, "ngram": c.cal_ng.draft_cost},
-                                  {"head": measured_prior(c.cal.stats), "ngram": measured_prior(c.cal_ng.stats)})
-        return AdaptivePolicy(self.learned, {"draft": c.cal.draft_cost}, {"draft": measured_prior(c.cal.stats)})
+        return adaptive_policy(self.costs, self.learned, name.endswith("+ngram"))
+
+
+def adaptive_policy(costs: Costs, verify: LearnedVerifyCost | Any, hybrid: bool) -> AdaptivePolicy:
+    """A fresh per-request AdaptivePolicy: the calibration's acceptance as the prior and its draft cost, per
+    proposer ("head" and "ngram" for a hybrid, else "draft"); `verify` prices the passes (eval.policy)."""
+    c = costs
+    if hybrid:
+        return AdaptivePolicy(verify, {"head": c.cal.draft_cost, "ngram": c.cal_ng.draft_cost},
+                              {"head": measured_prior(c.cal.stats), "ngram": measured_prior(c.cal_ng.stats)})
+    return AdaptivePolicy(verify, {"draft": c.cal.draft_cost}, {"draft": measured_prior(c.cal.stats)})
 

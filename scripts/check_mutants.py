@@ -83,8 +83,8 @@ MUTANTS: list[Mutant] = [
            "                probs.append(torch.softmax(logits.float(), dim=-1))",
            ("tests/test_sampling_drafters.py", "-k", "reported_q and (draft_model or self_spec)")),
     Mutant("verify_rows_without_top_p", "eval/decoder.py",
-           "target_distribution(logits[0], temperature, top_k, top_p)",
-           "target_distribution(logits[0], temperature, top_k)",
+           "rows = logits if temperature <= 0 else target_distribution(logits, temperature, top_k, top_p)",
+           "rows = logits if temperature <= 0 else target_distribution(logits, temperature, top_k)",
            ("tests/test_sampling_drafters.py", "-k", "top_p")),
     Mutant("tokens_after_eos_in_accepted_draft", "eval/decoder.py",
            "            return tokens[: i + 1], True",
@@ -103,8 +103,8 @@ MUTANTS: list[Mutant] = [
            "        r[token] = r[token]",
            ("tests/test_sampling_drafters.py", "-k", "eagle_tree or medusa"), quick=True),
     Mutant("bonus_dropped_when_nothing_drafted", "eval/decoder.py",
-           "[draft_tokens[a] for a in accepted] + [nxt], eos)",
-           "[draft_tokens[a] for a in accepted] + ([nxt] if len(tree) else []), eos)",
+           "[draft_tokens[a] for a in accepted] + [nxt])",
+           "[draft_tokens[a] for a in accepted] + ([nxt] if len(tree) else []))",
            ("tests/test_decoder.py", "-k", "ngram_drafter or every_drafter", "--timeout=20")),
     # --- more of the same kind
     Mutant("resample_from_p_after_rejection", "eval/decoder.py",
@@ -213,6 +213,22 @@ MUTANTS: list[Mutant] = [
            "pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]",
            "pos = (mask[:1].cumsum(-1) - 1).clamp(min=0).expand_as(mask)[:, -ids.shape[1]:]",
            ("tests/test_faults.py", "tests/test_regenerate.py", "-k", "per_row_positions or batched_greedy")),
+    # --- batched speculative decoding (eval.batch): ragged acceptance, per-row trees
+    # the old rule, still exact: every row advances by the batch's minimum accepted length
+    Mutant("batch_rows_truncated_to_the_minimum", "eval/batch.py",
+           "        kv.keep_rows([v.path for v in verdicts])",
+           "        m = min(len(v.path) for v in verdicts)\n"
+           "        verdicts = [type(v)(v.accepted[:m - 1], v.tokens[m - 1], v.path[:m], v.tokens[:m]) for v in verdicts]\n"
+           "        kv.keep_rows([v.path for v in verdicts])",
+           ("tests/test_batch.py", "-k", "own_accepted_length"), quick=True),
+    Mutant("ragged_keep_leaks_a_rejected_slot", "data/kvcache.py",
+           "            kept[r, :len(p)] = 1",
+           "            kept[r, :len(p) + 1] = 1",
+           ("tests/test_batch.py", "-k", "greedy_identical"), quick=True),
+    Mutant("padded_tree_rows_at_depth_one", "data/kvcache.py",
+           "            pos[r, 1:] += depths.to(self.device)",
+           "            pos[r, 1:] += 1",
+           ("tests/test_batch.py", "-k", "padded_trees"), quick=True),
 ]
 
 

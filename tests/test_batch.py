@@ -5,14 +5,26 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+from pathlib import Path
 
 import pytest
 import torch
+from drafters_common import chi_square_pvalue, exact_law
+from test_policy import PROMPT4, head4, vocab4_model  # noqa: F401  (fixtures)
 
+import eval.decoder as decoder
+from data.config import load_config
 from data.tokenize import left_pad
-from eval.batch import batched_generate, sweep
+from eval.batch import Method, batched_generate, sweep
+from eval.costs import DraftCost, VerifyCost
+from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter
+from eval.policy import AdaptivePolicy, LoadAware
+from heads import registry
 from heads.base import DraftTree
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class OracleDrafter:
@@ -30,7 +42,7 @@ class OracleDrafter:
         self.pos = 0
 
     def begin(self, prompt_ids, features, next_token):
-        self.ref = self.refs[tuple(prompt_ids.tolist())]
+        self.ref = self.refs[tuple(prompt_ids.reshape(-1).tolist())]
         assert next_token == self.ref[0]
         self.pos = 1  # ref[0] (the root) is already emitted
 
@@ -106,7 +118,7 @@ def test_wrong_drafter_still_exact(tiny_target):
 
     class Junk(OracleDrafter):
         def begin(self, prompt_ids, features, next_token):
-            self.ref = self.refs[tuple(prompt_ids.tolist())]
+            self.ref = self.refs[tuple(prompt_ids.reshape(-1).tolist())]
             self.pos = 1
 
         def commit(self, accepted, features, next_token):
@@ -117,17 +129,232 @@ def test_wrong_drafter_still_exact(tiny_target):
     assert torch.equal(spec.tokens, plain.tokens)
 
 
+def _refs(model, tok, prompts, n):
+    plain = batched_generate(model, prompts, n, tok.pad_token_id)
+    return plain, {tuple(p): plain.tokens[i].tolist() for i, p in enumerate(prompts)}
+
+
+def test_each_row_keeps_its_own_accepted_length(tiny_target):
+    """Row 0 drafts its true continuation, row 1 junk: row 0 still advances k+1 per pass (never the batch minimum)."""
+    model, tok, io = tiny_target
+    prompts = _prompts(tok, 2)
+    n, k = 21, 4
+    plain, refs = _refs(model, tok, prompts, n)
+    good = dict(refs)
+    good[tuple(prompts[1])] = [(t + 7) % io.vocab_size for t in refs[tuple(prompts[1])]]
+
+    class Lenient(OracleDrafter):
+        def begin(self, prompt_ids, features, next_token):
+            self.ref, self.pos = self.refs[tuple(prompt_ids.reshape(-1).tolist())], 1
+
+        def commit(self, accepted, features, next_token):
+            self.pos += len(accepted) + 1
+
+    spec = batched_generate(model, prompts, n, tok.pad_token_id, k=k,
+                            make_drafter=lambda: Lenient(good, 0.0, 0, io.vocab_size, full=True))
+    assert torch.equal(spec.tokens, plain.tokens)
+    fast, slow = spec.row_stats
+    assert fast.target_passes == (n - 1) // (k + 1) and fast.tau == pytest.approx(k + 1)
+    assert slow.target_passes == n - 1 and slow.accepted_tokens == 0
+    # rows leave the batch when done: 4 passes with both rows, then row 1 alone
+    assert spec.passes == n - 1
+
+
+@pytest.fixture(scope="module")
+def family_heads(tiny_target):
+    _, _, io = tiny_target
+    torch.manual_seed(0)
+    return {name: registry.get(name).build(load_config(ROOT / registry.get(name).tiny).head, io)
+            for name in registry.names()}
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["head", "head+ngram"])
+@pytest.mark.parametrize("family", registry.names())
+def test_batched_heads_of_every_family_are_greedy_identical(tiny_target, family_heads, family, hybrid):
+    """A head's drafter per row, fed its row's captured features; with the n-gram merged in, trees per row."""
+    model, tok, io = tiny_target
+    prompts = _prompts(tok, 3) + [_prompts(tok, 4)[3] * 2]  # ragged prompt lengths; a repetitive row for the n-gram
+    n = 14
+    plain, _ = _refs(model, tok, prompts, n)
+    make = registry.get(family).drafter_factory(family_heads[family], io, "auto", 2)
+    drafter = (lambda: HybridDrafter(make())) if hybrid else make
+    spec = batched_generate(model, prompts, n, tok.pad_token_id, k=2, make_drafter=drafter)
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert spec.stats.drafted_tokens > 0
+
+
+def _policy(sources=("draft",), prior=0.9):
+    verify = VerifyCost({1: 0.05, 2: 0.055, 4: 0.06, 8: 0.07, 16: 0.09}, context_len=64)
+    return AdaptivePolicy(verify, {s: DraftCost(0.0005, 0.0002) for s in sources}, {s: [prior] * 4 for s in sources})
+
+
+def _surface(slope):
+    """T(B, n) = (1 + slope * (B*n - 1)) * 50 ms: slope 0 is a GPU-like flat pass, slope 1 a compute-bound one."""
+    return {b: VerifyCost({n: 0.05 * (1 + slope * (b * n - 1)) for n in (1, 2, 3, 5, 9)}, 64) for b in (1, 4, 16)}
+
+
+class Counting(OracleDrafter):
+    """A full oracle that counts its drafts and follows commits by tokens (DeferredSync hands them over so)."""
+
+    calls = 0
+
+    def draft(self, k, temperature):
+        Counting.calls += 1
+        return super().draft(k, temperature)
+
+    def commit_tokens(self, tokens, features, next_token):
+        self.pos += len(tokens) + 1
+
+
+def test_load_aware_gate_drafts_when_it_pays_and_not_when_it_costs():
+    """Per-row choices priced by T(B, n) / B; the gate keeps them on a flat surface and drops them on a steep one."""
+    rows = [(object(), _policy()) for _ in range(16)]
+    flat, steep = LoadAware(_surface(0.0)), LoadAware(_surface(1.0))
+    chosen = flat.choose(rows, [8] * 16)
+    assert all(c["draft"] > 0 for c in chosen) and flat.gated == 0
+    rows = [(object(), _policy()) for _ in range(16)]
+    chosen = steep.choose(rows, [8] * 16)
+    assert all(c["draft"] == 0 for c in chosen)
+    # between the measured 4 and 16 the surface is interpolated in B
+    assert steep.curve(10)(1) == pytest.approx((steep.curve(4)(1) + steep.curve(16)(1)) / 2)
+
+
+def test_load_aware_batch_with_costly_drafting_never_calls_the_drafter(tiny_target):
+    """A steep surface: every pass plain, the drafter never drafts (its commits wait in DeferredSync), same tokens."""
+    model, tok, io = tiny_target
+    prompts = _prompts(tok, 4)
+    n = 10
+    plain, refs = _refs(model, tok, prompts, n)
+    Counting.calls = 0
+    spec = batched_generate(model, prompts, n, tok.pad_token_id, k=2,
+                            make_drafter=lambda: DeferredSync(Counting(refs, 0.0, 0, io.vocab_size, full=True)),
+                            make_policy=_policy, load=LoadAware({4: _surface(1.0)[16]}))
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert Counting.calls == 0 and spec.stats.drafted_tokens == 0
+
+
+def test_load_aware_batch_drafts_on_a_flat_surface(tiny_target):
+    model, tok, io = tiny_target
+    prompts = _prompts(tok, 4)
+    n = 13
+    plain, refs = _refs(model, tok, prompts, n)
+    spec = batched_generate(model, prompts, n, tok.pad_token_id, k=3,
+                            make_drafter=lambda: DeferredSync(Counting(refs, 0.0, 0, io.vocab_size, full=True)),
+                            make_policy=_policy, load=LoadAware(_surface(0.0)))
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert spec.tau > 2.0
+
+
 def test_sweep_report_shape_and_crossover(tiny_target):
     model, tok, io = tiny_target
     prompts = _prompts(tok, 2)
-    plain = batched_generate(model, prompts, 8, tok.pad_token_id)
-    refs = {tuple(p): plain.tokens[i].tolist() for i, p in enumerate(prompts)}
-    out = sweep(model, prompts, tok.pad_token_id, [1, 2], k=3, max_new_tokens=8, drafter_name="oracle",
-                make_drafter=lambda: OracleDrafter(refs, 0.0, 1, io.vocab_size))
+    _, refs = _refs(model, tok, prompts, 8)
+    oracle = Method("oracle", 3, lambda: OracleDrafter(refs, 0.0, 1, io.vocab_size))
+    aware = Method("aware", 3, lambda: DeferredSync(Counting(refs, 0.0, 1, io.vocab_size, full=True)),
+                   make_policy=_policy, load_aware=True)
+    out = sweep(model, prompts, tok.pad_token_id, [1, 2], [oracle, aware], max_new_tokens=8, surface=_surface(0.0))
     assert [r["batch_size"] for r in out["rows"]] == [1, 2]
-    assert out["drafter"] == "oracle"
+    assert out["methods"] == ["oracle", "aware"] and out["policy"]["aware"] == "load-aware"
     for r in out["rows"]:
-        assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0
-        assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["plain_tok_s"])
-    expect = next((r["batch_size"] for r in out["rows"] if r["speedup"] <= 1.0), None)
-    assert out["crossover_batch_size"] == expect
+        for name in ("oracle", "aware"):
+            m = r["methods"][name]
+            assert r["plain_tok_s"] > 0 and m["tok_s"] > 0 and m["identical"] and m["latency_s"] > 0
+            assert m["speedup"] == pytest.approx(m["tok_s"] / r["plain_tok_s"])
+    for name in ("oracle", "aware"):
+        expect = next((r["batch_size"] for r in out["rows"] if r["methods"][name]["speedup"] <= 1.0), None)
+        assert out["crossover"][name] == expect
+    # batch 1 of the fixed-k oracle is the single-stream decoder's run on the same row: the same tau
+    assert out["single_stream_tau"]["oracle"] == pytest.approx(out["rows"][0]["methods"]["oracle"]["tau"])
+
+
+def _batched_pvalue(model, draft_model, rows: int, batches: int) -> float:
+    """Chi-square p-value of batched speculative sampling (T 1, top-3, k 2, 4 new tokens per row, a sampling
+    ModelDrafter per row) against plain sampling's exact law; every row of every batch is one sample."""
+    exact = exact_law(model, PROMPT4, 4, 1.0, 3)
+    counts: dict[tuple[int, ...], int] = {}
+    seeds = itertools.count()
+    for b in range(batches):
+        res = batched_generate(model, [PROMPT4] * rows, 4, 0, k=2, temperature=1.0, top_k=3, seed=1000 * b,
+                               make_drafter=lambda: ModelDrafter(draft_model,
+                                                                 generator=torch.Generator().manual_seed(next(seeds))))
+        for row in res.tokens.tolist():
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    return chi_square_pvalue(exact, counts, rows * batches)
+
+
+def test_batched_sampling_keeps_the_law_and_a_biased_verifier_fails(vocab4_model, head4, monkeypatch):  # noqa: F811
+    """T > 0 rows go through the decoder's own rule: plain sampling's law; resampling from p after a rejection
+    (the named bias of tests/test_sampling_exactness.py) is caught by the same test."""
+    assert _batched_pvalue(vocab4_model, head4, 30, 20) > 1e-3
+    monkeypatch.setattr(decoder, "residual_distribution", lambda p, q, token: p)
+    pv = _batched_pvalue(vocab4_model, head4, 30, 20)
+    assert pv < 1e-4, f"the biased batched verifier passed (p = {pv:.2e})"
+
+
+def test_padded_trees_and_ragged_keep_match_each_row_alone(tiny_target):
+    """DynamicKV over left-padded rows with a tree each: every row's logits are its logits alone (its positions,
+    its ancestors), and after keep_rows of non-prefix paths the next pass still matches row by row."""
+    from data.kvcache import DynamicKV
+
+    model, tok, _ = tiny_target
+    prompts = _prompts(tok, 3)[:2]
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    trees = [([5, 6, 7, 8], [-1, 0, -1, 2]), ([9, 10, 11, 12], [-1, -1, 1, 0])]
+    paths = [[0, 3, 4], [0, 2]]  # row 0 keeps nodes 2, 3 (a branch that is not a prefix); row 1 keeps node 1
+    kv = DynamicKV(model)
+    kv.run(ids, pad=mask)
+    kv.keep(range(ids.shape[1]))
+    root = [40, 41]
+    block = torch.tensor([[root[r]] + trees[r][0] for r in range(2)])
+    logits, _ = kv.run(block, torch.tensor([trees[r][1] for r in range(2)]))
+    kv.keep_rows(paths)
+    after, _ = kv.run(torch.tensor([[50], [51]]))
+    for r, p in enumerate(prompts):
+        alone = DynamicKV(model)
+        alone.run(torch.tensor([p]))
+        alone.keep(range(len(p)))
+        ref, _ = alone.run(torch.tensor([[root[r]] + trees[r][0]]), torch.tensor(trees[r][1]))
+        torch.testing.assert_close(logits[r], ref[0], atol=1e-4, rtol=1e-4)
+        alone.keep(paths[r])
+        ref_after, _ = alone.run(torch.tensor([[50 + r]]))
+        torch.testing.assert_close(after[r, -1], ref_after[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_scaled_curve_keeps_the_measured_shape_and_follows_the_load():
+    """Timed passes at one width (plain passes, 3x slower than measured) scale every width alike."""
+    from eval.policy import ScaledCurve
+
+    curve = ScaledCurve(VerifyCost({1: 0.1, 2: 0.15, 4: 0.3}, 64))
+    for _ in range(20):
+        curve.observe(1, 0.3)
+    assert curve(1) == pytest.approx(0.3) and curve(4) / curve(1) == pytest.approx(3.0)
+
+
+def test_deferred_commits_join_in_order_past_the_log_chunk():
+    """70 deferred commits (more than two of _FeatureLog's chunks): one commit_tokens of the joined path, its
+    features in order, the same as committing them one by one would leave."""
+    from heads.base import Features
+
+    class Inner:
+        capture_layers = ()
+
+        def begin(self, *a):
+            self.calls = []
+
+        def commit_tokens(self, tokens, features, next_token):
+            self.calls.append((list(tokens), features, next_token))
+
+        def draft(self, k, temperature):
+            return DraftTree.chain(torch.tensor([1]))
+
+    inner = Inner()
+    d = DeferredSync(inner)
+    d.begin(torch.tensor([[1, 2]]), None, 3)
+    for i in range(70):
+        d.commit([], Features(last=torch.full((1, 1, 2), float(i)), aux=torch.full((1, 1, 4), float(-i))), 100 + i)
+    assert inner.calls == []
+    d.draft(1, 0.0)
+    [(tokens, feats, nxt)] = inner.calls
+    assert tokens == [100 + i for i in range(69)] and nxt == 169
+    assert feats.last[0, :, 0].tolist() == [float(i) for i in range(70)]
+    assert feats.aux[0, :, 0].tolist() == [float(-i) for i in range(70)]

@@ -79,8 +79,12 @@ def test_evaluate_head_writes_report(tmp_path, tiny_target, monkeypatch):
     sm = saved["speedup_model"]
     assert 1 <= sm["best_k"] <= 8 and set(map(str, range(1, 9))) <= set(sm["predicted"])
     assert sm["measured"]["k"] == 2 and "predicted_speedup" in sm["measured"]
-    assert [r["batch_size"] for r in saved["batch_sweep"]["rows"]] == [1, 2]
-    assert all(r["identical"] for r in saved["batch_sweep"]["rows"])
+    bs = saved["batch_sweep"]
+    assert [r["batch_size"] for r in bs["rows"]] == [1, 2]
+    # the trained head, the hybrid and the load-aware policy run batched, each row identical to plain
+    assert len(bs["methods"]) == 3 and bs["methods"][1].endswith("+ngram") and bs["policy"][bs["methods"][2]] == "load-aware"
+    assert all(m["identical"] for r in bs["rows"] for m in r["methods"].values())
+    assert set(bs["crossover"]) == set(bs["methods"]) and set(bs["cost_surface_ms"]) == {"1", "2"}
     # Greedy: the head, the n-gram baseline and transformers' prompt lookup all reproduce plain decoding.
     assert b["identical"] is True
     assert b["baselines"]["ngram"]["identical"] is True
@@ -100,7 +104,7 @@ def test_evaluate_head_writes_report(tmp_path, tiny_target, monkeypatch):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     md = (out / "report.md").read_text()
     assert "## mt_bench (temperature 0)" in md and "## mt_bench (temperature 1)" in md
-    assert "counting the corrected or bonus token" in md and "Speculation stops paying" in md
+    assert "counting the corrected or bonus token" in md and "Crossover (the first batch size" in md
 
 
 def test_hybrid_eval_runs_the_head_alone_beside_it_and_reports_the_policy(tmp_path, tiny_target):
@@ -179,8 +183,9 @@ def test_markdown_handles_missing_values():
         "speedup_model": {"draft_cost": {"fixed_s": 0.0, "per_token_s": 0.0}, "c": 0.0, "verify_cost_s": {"1": 0.01},
                           "acceptance_measured": [0.5], "draft_rate": 1.0, "predicted": {"1": 1.2},
                           "predicted_tau": {"1": 1.5}, "best_k": 1},
-        "batch_sweep": {"drafter": "ngram", "k": 2, "max_new_tokens": 4, "tokens_per_s": "decode", "rows": [],
-                        "crossover_batch_size": None},
+        "batch_sweep": {"methods": ["ngram"], "k": {"ngram": 2}, "policy": {"ngram": "fixed"}, "max_new_tokens": 4,
+                        "tokens_per_s": "decode", "latency": "l", "rows": [], "crossover": {"ngram": None},
+                        "single_stream_tau": {"ngram": 1.0}},
     }
     md = markdown(report)
     assert "0.50 / -" in md and "none in this range" in md
@@ -195,4 +200,4 @@ def test_smollm2_ngram_eval(tmp_path):
     b = report["benchmarks"]["humaneval"]
     assert b["identical"] is True and b["tau"] >= 1.0 and b["speedup"] > 0
     assert report["speedup_model"]["measured"]["k"] == 3
-    assert all(r["identical"] for r in report["batch_sweep"]["rows"])
+    assert all(m["identical"] for r in report["batch_sweep"]["rows"] for m in r["methods"].values())

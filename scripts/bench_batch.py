@@ -1,0 +1,161 @@
+"""Benchmark what a pass that drafts nothing costs against a plain pass, single stream and batched (CPU or GPU).
+
+    python scripts/bench_batch.py --head runs/quickstart/head --json out.json --threads 1
+    python scripts/bench_batch.py --batch-sizes 1,4,16 --new-tokens 48 --repeats 5   # a fresh EAGLE-3 head
+
+Where the policy turns drafting off, speculative decoding must cost what plain decoding costs. Per prompt and
+repeat, interleaved (plain first, then the drafting-off run, then swapped), this times:
+  single   eval.decoder.plain_generate against speculative_generate with the head's drafter (DeferredSync, as
+           eval.run wraps it) under an AdaptivePolicy whose prior says the head never helps and that never
+           re-probes: every pass drafts nothing, so the head never runs, but the target pass still captures
+           the head's layers (the features the head catches up on when it drafts again)
+  batch B  eval.batch.batched_generate plain against the same head + n-gram hybrid under eval.policy.LoadAware
+           with a cost surface on which no draft pays (T(B, n) = n * T(B, 1)): every pass gated to plain
+Reported per setting: seconds per pass (decode time / passes, median over repeats) of both, the median of
+the per-repeat ratios (`off_vs_plain`, the bound is 1.01) and whether the tokens are identical. Without --head a fresh EAGLE-3 head of
+configs/smollm2-135m.yaml's shape is built on the target (its weights do not matter: it never drafts).
+
+JSON keys: threads, target, head, new_tokens, rows: [{setting, batch_size, plain_pass_ms, off_pass_ms,
+off_vs_plain, identical, drafted_tokens}].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from data.cli import UserError, cli_main  # noqa: E402
+from data.config import TargetConfig, load_config  # noqa: E402
+from data.regenerate import render_rows  # noqa: E402
+from data.target import load_target  # noqa: E402
+from eval.batch import batched_generate  # noqa: E402
+from eval.costs import DraftCost, VerifyCost  # noqa: E402
+from eval.decoder import plain_generate, speculative_generate  # noqa: E402
+from eval.drafters import DeferredSync, HybridDrafter  # noqa: E402
+from eval.policy import AdaptivePolicy, LoadAware  # noqa: E402
+from heads import registry  # noqa: E402
+from heads.base import load_head  # noqa: E402
+
+PROMPTS = ["Explain how a hash map handles collisions.", "Write a short poem about autumn rain.",
+           "What is 17 times 23? Show your steps.", "Summarize the plot of a heist movie in three sentences."]
+
+
+def _never(sources: tuple[str, ...]) -> AdaptivePolicy:
+    """A real AdaptivePolicy that prices every draft out (prior acceptance 0) and never re-probes."""
+    verify = VerifyCost({1: 1.0, 2: 2.0}, context_len=0)
+    return AdaptivePolicy(verify, {s: DraftCost(0.0, 0.0) for s in sources}, {s: [0.0] for s in sources},
+                          probe_every=10**9)
+
+
+def _both(first_plain: bool, plain, off):
+    """Run the two in the repeat's order (alternating, so drift on a shared machine hits both alike)."""
+    if first_plain:
+        a = plain()
+        return a, off()
+    b = off()
+    return plain(), b
+
+
+def _single(model, ids, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int]:
+    """(plain seconds per pass, drafting-off seconds per pass, identical, drafted tokens) for one prompt."""
+    (plain_ids, ps), (off_ids, os_) = _both(
+        first_plain, lambda: plain_generate(model, ids, n),
+        lambda: speculative_generate(model, ids, DeferredSync(make_head()), 0, n, policy=_never(("draft",))))
+    return (ps.decode_time_s / ps.target_passes, os_.decode_time_s / os_.target_passes,
+            bool(torch.equal(plain_ids, off_ids)), os_.drafted_tokens)
+
+
+def _batched(model, rows, pad, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int]:
+    b = len(rows)
+    steep = {b: VerifyCost({m: m * 0.05 for m in (1, 2, 4, 8, 17)}, context_len=0)}
+    plain, off = _both(
+        first_plain, lambda: batched_generate(model, rows, n, pad),
+        lambda: batched_generate(model, rows, n, pad, k=4, make_drafter=lambda: HybridDrafter(make_head()),
+                                 make_policy=lambda: _never(("head", "ngram")), load=LoadAware(steep)))
+    return (plain.decode_s / plain.passes, off.decode_s / off.passes, bool(torch.equal(plain.tokens, off.tokens)),
+            off.stats.drafted_tokens)
+
+
+def _head_factory(args, io, device, dtype):
+    if args.head:
+        head, cfg, _ = load_head(args.head, io)
+    else:
+        cfg = load_config(ROOT / "configs" / "smollm2-135m.yaml").head
+        torch.manual_seed(0)
+        head = registry.get(cfg.family).build(cfg, io)
+    head.to(device=device, dtype=dtype)
+    return registry.get(cfg.family).drafter_factory(head, io, "auto", 4)
+
+
+def _measure(name: str, b: int, fn, repeats: int) -> dict:
+    plain, off, same, drafted = [], [], True, 0
+    for r in range(repeats):
+        p, o, s, d = fn(r)
+        plain.append(p)
+        off.append(o)
+        same, drafted = same and s, drafted + d
+    pm, om = statistics.median(plain), statistics.median(off)
+    # the ratio of each repeat's pair (run back to back), then their median: drift between repeats cancels
+    return {"setting": name, "batch_size": b, "plain_pass_ms": 1000 * pm, "off_pass_ms": 1000 * om,
+            "off_vs_plain": statistics.median(o / p for o, p in zip(off, plain)), "identical": same,
+            "drafted_tokens": drafted}
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--head", help="a head folder (default: a fresh EAGLE-3 head of the quickstart's shape)")
+    ap.add_argument("--batch-sizes", default="4,16", help="batched settings (comma-separated)")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--batch-sizes: comma-separated integers, got '{args.batch_sizes}'") from None
+    if args.new_tokens < 2 or args.repeats < 1 or any(b < 1 for b in sizes):
+        raise UserError("--new-tokens must be >= 2, --repeats and every batch size >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok, io = load_target(TargetConfig(name_or_path=args.target), decode=True)
+    p = next(model.parameters())
+    make_head = _head_factory(args, io, p.device, p.dtype)
+    rows = render_rows(tok, [[{"role": "user", "content": t}] for t in PROMPTS])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    n = args.new_tokens
+    results = [_measure("single stream", 1, lambda r: _single(model, torch.tensor([rows[r % len(rows)]], device=p.device),
+                                                              make_head, n, r % 2 == 0), args.repeats)]
+    for b in sizes:
+        batch = [rows[i % len(rows)] for i in range(b)]
+        results.append(_measure(f"batch {b}, load-aware", b, lambda r, batch=batch: _batched(model, batch, pad, make_head, n, r % 2 == 0),
+                                args.repeats))
+    print(f"target {args.target}, head {args.head or 'fresh EAGLE-3 (never drafts)'}, {torch.get_num_threads()} "
+          f"threads, {n} new tokens per row, median of {args.repeats}")
+    print("| setting | plain ms/pass | drafting off ms/pass | off / plain | identical | drafted tokens |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['setting']} | {r['plain_pass_ms']:.1f} | {r['off_pass_ms']:.1f} | {r['off_vs_plain']:.3f}x | "
+              f"{'yes' if r['identical'] else 'NO'} | {r['drafted_tokens']} |")
+    out = {"threads": torch.get_num_threads(), "target": args.target, "head": args.head, "new_tokens": n,
+           "rows": results}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
