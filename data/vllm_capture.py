@@ -39,7 +39,12 @@ from data.vllm_engine import VllmTarget
 
 
 class NumericsError(DataError):
-    """vLLM's capture differs from transformers' beyond the tolerance (a wrong layer index or norm)."""
+    """vLLM's capture differs from transformers' beyond the tolerance (a wrong layer index or norm);
+    `report` is the table that was refused."""
+
+    def __init__(self, message: str, report: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 class VllmCapture:
@@ -142,7 +147,8 @@ def check_numerics(model: nn.Module, capture: VllmCapture, samples: Sequence[Seq
         raise NumericsError(
             f"features.vllm_check_tolerance: vLLM's capture of layer {worst['layer']} differs from transformers' "
             f"by {worst['rel']:.3g} (mean relative L2 per token, max abs {worst['max_abs']:.3g}) > {tolerance:g} over "
-            f"{len(samples)} sequences (vLLM captured indices {capture.capture_ids}; a wrong layer index or norm?)")
+            f"{len(samples)} sequences (vLLM captured indices {capture.capture_ids}; a wrong layer index or norm?)",
+            report)
     return report
 
 
