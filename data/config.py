@@ -232,7 +232,7 @@ class FeaturesConfig:
     vllm_memory: Float | None = None  # vllm: gpu_memory_utilization (CPU: share of host memory); null = 0.9 GPU, 0.3 CPU
     vllm_check_samples: Count = 4  # vllm: sequences run through both engines before extracting (numerics table)
     # vllm: refuse when a layer's mean relative L2 difference per token exceeds this (a wrong layer or norm
-    # gives ~0.25; float32 rounding ~1e-6; bf16 kernels ~1e-2)
+    # gives ~0.25 on SmolLM2; float32 rounding ~2e-6 there)
     vllm_check_tolerance: Positive = 0.02
 
 

@@ -24,6 +24,7 @@ Nothing here imports vLLM until a VllmCapture is built (data.vllm_engine.require
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,9 @@ class VllmCapture:
         kv = {"kv_connector": "HiddenStatesSpool", "kv_connector_module_path": "data.vllm_connector",
               "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(self.spool)}}
         # No prefix caching: every token is computed in its own request, as in transformers' forward.
+        # Seconds spent in vLLM's generate (forward + the connector's writes) and reading the spool files back
+        # (scripts/bench_extract.py --engine vllm reports where the time goes from these).
+        self.seconds = {"engine": 0.0, "spool_read": 0.0}
         self.engine = VllmTarget(cfg, speculative_config=spec, tensor_parallel_size=tensor_parallel_size,
                                  memory=memory, max_model_len=max_model_len,
                                  engine_kwargs={"kv_transfer_config": kv, "enable_prefix_caching": False})
@@ -79,7 +83,9 @@ class VllmCapture:
         )
 
         sp = self.engine._vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        t0 = time.perf_counter()
         outs = self.engine.llm.generate([{"prompt_token_ids": list(r)} for r in rows], sp, use_tqdm=False)
+        t1 = time.perf_counter()
         result = []
         for row, out in zip(rows, outs):
             path = (out.kv_transfer_params or {}).get("hidden_states_path")
@@ -91,6 +97,8 @@ class VllmCapture:
             if data["token_ids"].tolist() != list(row):
                 raise DataError(f"{path}: the captured token ids are not the prompt's (vLLM reordered a request)")
             result.append(data["hidden_states"])
+        self.seconds["engine"] += t1 - t0
+        self.seconds["spool_read"] += time.perf_counter() - t1
         return result
 
 
