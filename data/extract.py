@@ -334,9 +334,9 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
         root.mkdir(parents=True, exist_ok=True)
         record_splits(root, splits)
     report: dict[str, Any] = {"engine": cfg.features.engine, "rank": rank, "world": world, "splits": {}}
-    source = None
+    source = capture = None
     if cfg.features.engine == "vllm":
-        source, report["numerics"] = vllm_source(cfg, model, data, root, rank, world)
+        capture, report["numerics"], source = vllm_source(cfg, model, data, root, rank, world)
     t0 = time.perf_counter()
     for s in splits:
         t = time.perf_counter()
@@ -344,6 +344,8 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
         report["splits"][s] = {"tokens": sum(e["num_tokens"] for e in part["shards"]),
                                "seconds_this_run": time.perf_counter() - t}
     write_report(root, report)
+    if capture is not None:
+        capture.close()
     if state:
         state.wait_for_everyone()
     for s in splits:
@@ -361,10 +363,10 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
 
 
 def vllm_source(cfg: RunConfig, model: nn.Module, data: dict[str, datasets.Dataset], root: Path, rank: int,
-                world: int) -> tuple[FeatureSource, dict]:
+                world: int) -> tuple[Any, dict, FeatureSource]:
     """features.engine vllm: start vLLM with the capture (data/vllm_capture.py), compare it with transformers
     on features.vllm_check_samples sequences (refused above features.vllm_check_tolerance, the table written
-    into the extraction report either way), and return the feature source and the numerics table."""
+    into the extraction report either way); returns (the VllmCapture, the numerics table, the source)."""
     # optional engine: imported only when asked for (the project never needs vLLM)
     from data.vllm_capture import NumericsError, VllmCapture, check_numerics, feature_source
 
@@ -386,7 +388,7 @@ def vllm_source(cfg: RunConfig, model: nn.Module, data: dict[str, datasets.Datas
     print(f"vLLM against transformers on {k} sequences: worst mean relative difference "
           f"{max(r['rel'] for r in numerics['layers']):.3g} (tolerance {cfg.features.vllm_check_tolerance:g}), "
           f"argmax agreement {numerics['argmax_agreement']:.4f}", file=sys.stderr)
-    return feature_source(model, capture), numerics
+    return capture, numerics, feature_source(model, capture)
 
 
 def write_report(root: Path, report: dict) -> None:

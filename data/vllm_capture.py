@@ -102,6 +102,11 @@ class VllmCapture:
         return result
 
 
+    def close(self) -> None:
+        """Remove the (by now empty) spool folder; the engine itself stops with the process."""
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+
 def vllm_features(model: nn.Module, capture: VllmCapture, rows: Sequence[Sequence[int]]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed (cat(last, aux) [N, H x (1 + layers)], argmax [N]) of `rows`, sample after sample: the layout

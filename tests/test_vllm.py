@@ -174,6 +174,7 @@ def test_vllm_extraction_killed_after_a_shard_resumes_to_the_uninterrupted_store
     assert all(row["rel"] < 1e-4 for row in rows.values()), rows
     assert report["numerics"]["argmax_agreement"] > 0.99
     assert "| 15 |" in (whole / "features" / "extraction_report.md").read_text()
+    assert not list((whole / "features").glob(".vllm-spool-*"))  # the connector's files are all read back
 
 
 @pytest.mark.vllm
