@@ -6,6 +6,7 @@
     python -m data.extract --config C --shard-index I --num-shards N              # job I of an array of N
     python -m data.extract merge STORE      # write manifest.json from the part files of all jobs
     python -m data.extract verify STORE     # every split store.json names; sizes, checksums, coverage; names each bad shard
+    python -m data.extract --config C --features.engine=vllm    # the same store, captured by vLLM (`vllm` extra)
 
 The layers captured are the head's (`feature_layers(cfg.head, target_config)` of its family); the final
 post-norm hidden state and the target's argmax next token are always stored, logits never (trainers
@@ -17,6 +18,10 @@ once), rank g of G takes every G-th of them, its samples are cut into padded bat
 features.batch_tokens tokens, and consecutive batches into shards of at least features.shard_tokens real
 tokens. A rerun skips the shards its part file lists (and adopts finished shards it does not list yet),
 deletes leftover `.tmp` files, and redoes only the shard that was in flight.
+Engines (features.engine): transformers runs one padded forward with capture hooks per batch
+(transformers_source); vllm hands each batch's rows to vLLM's extract_hidden_states (data/vllm_capture.py)
+after a numerics check against transformers. Both feed the same plan, shard writer, part files and resume;
+STORE/extraction_report.{json,md} records the engine, the time per split and (vllm) the numerics table.
 Under `accelerate launch` G is the number of processes; with --num-shards N (a job array) G is N times that.
 Before any work, the bytes per token and the projected store size are printed, and the run is refused
 when the disk has less free space than what is left to write.
