@@ -7,10 +7,17 @@ A stand-in for data.vllm_capture.VllmCapture hands over what vLLM's `extract_hid
 norm), computed with transformers. Checked: data.vllm_capture.vllm_features packs rows, `last` and the argmax
 exactly like data.extract's transformers source; check_numerics passes the right capture and refuses a wrong
 layer index and an engine that hands the last layer already normed (our norm would apply twice); the online
-stream refuses features.engine vllm. The real engine is in tests/test_vllm.py (`-m vllm`).
+stream refuses features.engine vllm; scripts/slurm/extract.sbatch's vLLM form (run with a stand-in for python
+that prints the commands) starts G / TP processes, each on its own TP GPUs and its own rank slice of the array.
+The real engine is in tests/test_vllm.py (`-m vllm`).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,3 +102,29 @@ def test_the_online_stream_refuses_engine_vllm(tiny_target):
     cfg = load_config(None, ["--features.mode=online", "--features.engine=vllm"])
     with pytest.raises(ConfigError, match="features.engine 'vllm' is for the offline store"):
         open_featureset(cfg, None, tiny_target[0], LAYERS, "train")
+
+
+def test_extract_sbatch_runs_one_vllm_process_per_tp_group_of_the_node(tmp_path):
+    stub = tmp_path / "python"
+    # -c (the sbatch reading features.engine from the config) runs the real interpreter; a run is printed
+    stub.write_text(f'#!/bin/bash\nif [[ $1 == -c ]]; then exec {sys.executable} "$@"; fi\n'
+                    'echo "GPUS=${CUDA_VISIBLE_DEVICES:-none} $*"\n')
+    stub.chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+
+    def task(index: int, count: int, gpus: int, *overrides: str) -> list[str]:
+        env = dict(os.environ, PYTHON=str(stub), ACCELERATE=str(stub), SLURM_ARRAY_TASK_ID=str(index), SLURM_ARRAY_TASK_COUNT=str(count),
+                   SLURM_GPUS_ON_NODE=str(gpus), SLURM_SUBMIT_DIR=str(root))
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        r = subprocess.run(["bash", "scripts/slurm/extract.sbatch", "configs/llama8b.yaml", str(tmp_path / "run"),
+                            *overrides], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return [line for line in r.stdout.splitlines() if line.startswith("GPUS=")]
+
+    runs = task(1, 2, 4, "--features.vllm_tensor_parallel_size=2")  # task 1 of 2, 4 GPUs, TP 2: 2 processes
+    assert [line.split(" -m ")[0] for line in runs] == ["GPUS=0,1", "GPUS=2,3"]
+    assert ["--shard-index 2 --num-shards 4" in runs[0], "--shard-index 3 --num-shards 4" in runs[1]] == [True, True]
+    assert all("data.extract" in line and "accelerate" not in line for line in runs)
+    assert [line.split(" -m ")[0] for line in task(0, 1, 0)] == ["GPUS=none"]  # CPU: one process
+    plain = task(0, 1, 0, "--features.engine=transformers")  # accelerate launch as before
+    assert len(plain) == 1 and plain[0].startswith("GPUS=none launch ")
