@@ -232,6 +232,15 @@ class FeaturesConfig:
     shard_tokens: Count = 262144  # tokens per shard file
     batch_tokens: Count = 8192  # tokens per target forward during extraction
     verify_on_read: Bool = True  # offline: hash each shard once when first read (names a corrupted shard)
+    # python -m data.extract: transformers (a forward with hooks) or vllm (vLLM's extract_hidden_states, the
+    # `vllm` extra; data/vllm_capture.py): the same store either way. Offline only.
+    engine: Literal["transformers", "vllm"] = "transformers"
+    vllm_tensor_parallel_size: Count = 1  # vllm: GPUs one copy of the target is split over (vLLM's own flag)
+    vllm_memory: Float | None = None  # vllm: gpu_memory_utilization (CPU: share of host memory); null = 0.9 GPU, 0.3 CPU
+    vllm_check_samples: Count = 4  # vllm: sequences run through both engines before extracting (numerics table)
+    # vllm: refuse when a layer's mean relative L2 difference per token exceeds this (a wrong layer or norm
+    # gives ~0.25 on SmolLM2; float32 rounding ~2e-6 there)
+    vllm_check_tolerance: Positive = 0.02
 
 
 @dataclass

@@ -6,6 +6,7 @@
     python -m data.extract --config C --shard-index I --num-shards N              # job I of an array of N
     python -m data.extract merge STORE      # write manifest.json from the part files of all jobs
     python -m data.extract verify STORE     # every split store.json names; sizes, checksums, coverage; names each bad shard
+    python -m data.extract --config C --features.engine=vllm    # the same store, captured by vLLM (`vllm` extra)
 
 The layers captured are the head's (`feature_layers(cfg.head, target_config)` of its family); the final
 post-norm hidden state and the target's argmax next token are always stored, logits never (trainers
@@ -17,6 +18,10 @@ once), rank g of G takes every G-th of them, its samples are cut into padded bat
 features.batch_tokens tokens, and consecutive batches into shards of at least features.shard_tokens real
 tokens. A rerun skips the shards its part file lists (and adopts finished shards it does not list yet),
 deletes leftover `.tmp` files, and redoes only the shard that was in flight.
+Engines (features.engine): transformers runs one padded forward with capture hooks per batch
+(transformers_source); vllm hands each batch's rows to vLLM's extract_hidden_states (data/vllm_capture.py)
+after a numerics check against transformers. Both feed the same plan, shard writer, part files and resume;
+STORE/extraction_report.{json,md} records the engine, the time per split and (vllm) the numerics table.
 Under `accelerate launch` G is the number of processes; with --num-shards N (a job array) G is N times that.
 Before any work, the bytes per token and the projected store size are printed, and the run is refused
 when the disk has less free space than what is left to write.
@@ -29,6 +34,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -38,7 +44,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from data.cli import cli_main
+from data.cli import cli_main, write_atomic
 from data.config import ConfigError, RunConfig, check_layer_ids, parse_args
 from data.features import forward_features, greedy_ids
 from data.files import FolderLock
@@ -188,22 +194,47 @@ def _done_shards(split_dir: Path, part: dict, planned: list[list[list[int]]], ra
     return done
 
 
+# A feature source: a batch of dataset rows (columns input_ids, loss_mask) -> (cat(last, aux) [N, width],
+# the target's argmax [N]), the rows' tokens packed sample after sample without padding.
+FeatureSource = Callable[[dict], tuple[torch.Tensor, torch.Tensor]]
+
+
+def transformers_source(model: nn.Module, layer_ids: list[int], pad_id: int = 0) -> FeatureSource:
+    """The transformers engine: one padded forward with capture hooks per batch (data.features)."""
+    device = next(model.parameters()).device
+
+    def source(rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        col = collate([{"input_ids": a, "loss_mask": m} for a, m in zip(rows["input_ids"], rows["loss_mask"])], pad_id)
+        att = col["attention_mask"].to(device)
+        feats, _ = forward_features(model, col["input_ids"].to(device), att, layer_ids)
+        x = feats.last if feats.aux is None else torch.cat([feats.last, feats.aux], dim=-1)
+        # Boolean indexing walks [B, T] row-major: sample after sample, tokens in order, padding dropped:
+        # exactly the packed order the shard's offsets describe.
+        keep = att.bool()
+        return x[keep], greedy_ids(model, feats.last[keep])
+
+    return source
+
+
 def extract_split(model: nn.Module, dataset: datasets.Dataset, split_dir: Path, header: dict, rank: int = 0,
-                  pad_id: int = 0, show_progress: bool = True) -> dict:
+                  pad_id: int = 0, show_progress: bool = True, source: FeatureSource | None = None) -> dict:
     """Write (or finish) this rank's shards of one split and its part file; returns the part dict.
 
+    source: where the features come from (default: transformers_source(model, ...); features.engine vllm:
+    data.vllm_capture.feature_source); the shards, part file and resume are the same for every source.
     Locked per shard set (rank of world): a second extraction of the same shards is refused with one line
     (it would delete the first one's in-flight `.tmp`); other ranks and jobs of the array run beside it."""
     split_dir.mkdir(parents=True, exist_ok=True)
     _refuse_foreign(split_dir, header)
     world = int(header["world"])
+    source = source or transformers_source(model, list(header["layer_ids"]), pad_id)
     with FolderLock(split_dir, f"an extraction of shard set r{rank:04d}of{world:04d}",
                     name=f".lock-r{rank:04d}of{world:04d}"):
-        return _extract_locked(model, dataset, split_dir, header, rank, pad_id, show_progress)
+        return _extract_locked(source, dataset, split_dir, header, rank, show_progress)
 
 
-def _extract_locked(model: nn.Module, dataset: datasets.Dataset, split_dir: Path, header: dict, rank: int,
-                    pad_id: int, show_progress: bool) -> dict:
+def _extract_locked(source: FeatureSource, dataset: datasets.Dataset, split_dir: Path, header: dict, rank: int,
+                    show_progress: bool) -> dict:
     """extract_split's work, under its lock."""
     world, layer_ids = int(header["world"]), list(header["layer_ids"])
     lengths = list(dataset["length"]) if len(dataset) else []
@@ -219,7 +250,6 @@ def _extract_locked(model: nn.Module, dataset: datasets.Dataset, split_dir: Path
     todo = planned[len(part["shards"]):]
     total = sum(lengths[i] for s in todo for b in s for i in b)
     dtype = torch_dtype(header["dtype"])
-    device = next(model.parameters()).device
     meta = {"format": FORMAT, "split": header["split"], "rank": str(rank), "world": str(world),
             "layer_ids": json.dumps(layer_ids), "dtype": header["dtype"], "hidden_size": str(header["hidden_size"]),
             "target_fingerprint": header["target"]["fingerprint"], "data_fingerprint": header["data_fingerprint"]}
@@ -232,17 +262,9 @@ def _extract_locked(model: nn.Module, dataset: datasets.Dataset, split_dir: Path
                              int(header["width"]), dtype, {**meta, "index": str(k)})
         try:
             for batch in shard:
-                rows = dataset[batch]
-                col = collate([{"input_ids": a, "loss_mask": m} for a, m in zip(rows["input_ids"], rows["loss_mask"])],
-                              pad_id)
-                att = col["attention_mask"].to(device)
-                feats, _ = forward_features(model, col["input_ids"].to(device), att, layer_ids)
-                x = feats.last if feats.aux is None else torch.cat([feats.last, feats.aux], dim=-1)
-                # Boolean indexing walks [B, T] row-major: sample after sample, tokens in order, padding
-                # dropped: exactly the packed order the shard's offsets describe.
-                keep = att.bool()
-                writer.write(x.to(dtype)[keep], greedy_ids(model, feats.last[keep]))
-                bar.update(int(att.sum()))
+                x, top = source(dataset[batch])
+                writer.write(x.to(dtype), top)
+                bar.update(int(x.shape[0]))
             entry = writer.close()
         except BaseException:
             writer.abort()
@@ -275,6 +297,10 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
         raise ConfigError(f"target.device_map '{cfg.target.device_map}' spreads one target over all GPUs of its "
                          f"process; run one process per node (accelerate launch --num_processes 1; "
                          f"extract.sbatch: PROCS_PER_NODE=1), not {os.environ['WORLD_SIZE']}")
+    if cfg.features.engine == "vllm" and launched:
+        raise ConfigError("features.engine 'vllm': one process per job holds vLLM (its GPUs via "
+                          "features.vllm_tensor_parallel_size); run python -m data.extract (data parallel: a job "
+                          f"array, --shard-index/--num-shards), not {os.environ['WORLD_SIZE']} launched processes")
     if launched:
         from accelerate import PartialState
 
@@ -312,9 +338,19 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
     if pidx == 0:
         root.mkdir(parents=True, exist_ok=True)
         record_splits(root, splits)
+    report: dict[str, Any] = {"engine": cfg.features.engine, "rank": rank, "world": world, "splits": {}}
+    source = capture = None
+    if cfg.features.engine == "vllm":
+        capture, report["numerics"], source = vllm_source(cfg, model, data, root, rank, world)
     t0 = time.perf_counter()
     for s in splits:
-        extract_split(model, data[s], root / s, headers[s], rank, pad_id, show_progress=progress)
+        t = time.perf_counter()
+        part = extract_split(model, data[s], root / s, headers[s], rank, pad_id, show_progress=progress, source=source)
+        report["splits"][s] = {"tokens": sum(e["num_tokens"] for e in part["shards"]),
+                               "seconds_this_run": time.perf_counter() - t}
+    write_report(root, report)
+    if capture is not None:
+        capture.close()
     if state:
         state.wait_for_everyone()
     for s in splits:
@@ -329,6 +365,53 @@ def run(cfg: RunConfig, splits: tuple[str, ...] = SPLITS, shard_index_: int = 0,
     if loud:
         print(f"extraction done in {time.perf_counter() - t0:.1f} s: {root}", file=sys.stderr)
     return [root / s for s in splits]
+
+
+def vllm_source(cfg: RunConfig, model: nn.Module, data: dict[str, datasets.Dataset], root: Path, rank: int,
+                world: int) -> tuple[Any, dict, FeatureSource]:
+    """features.engine vllm: start vLLM with the capture (data/vllm_capture.py), compare it with transformers
+    on features.vllm_check_samples sequences (refused above features.vllm_check_tolerance, the table written
+    into the extraction report either way); returns (the VllmCapture, the numerics table, the source)."""
+    # optional engine: imported only when asked for (the project never needs vLLM)
+    from data.vllm_capture import NumericsError, VllmCapture, check_numerics, feature_source
+
+    tc = text_config(model.config)
+    lengths = [n for d in data.values() for n in (d["length"] if len(d) else [])]
+    capture = VllmCapture(cfg.target, head_layer_ids(cfg, tc), tc.num_hidden_layers,
+                          root / f".vllm-spool-r{rank:04d}of{world:04d}",
+                          tensor_parallel_size=cfg.features.vllm_tensor_parallel_size, memory=cfg.features.vllm_memory,
+                          max_model_len=max(lengths, default=1) + 1)
+    pool = data["train"] if len(data["train"]) else data["holdout"]
+    k = min(cfg.features.vllm_check_samples, len(pool))
+    picks = [round(j * (len(pool) - 1) / max(1, k - 1)) for j in range(k)]  # spread over the split
+    try:
+        numerics = check_numerics(model, capture, [pool[i]["input_ids"] for i in picks],
+                                  cfg.features.vllm_check_tolerance)
+    except NumericsError as e:
+        write_report(root, {"engine": "vllm", "rank": rank, "world": world, "numerics": e.report, "refused": str(e)})
+        raise
+    print(f"vLLM against transformers on {k} sequences: worst mean relative difference "
+          f"{max(r['rel'] for r in numerics['layers']):.3g} (tolerance {cfg.features.vllm_check_tolerance:g}), "
+          f"argmax agreement {numerics['argmax_agreement']:.4f}", file=sys.stderr)
+    return capture, numerics, feature_source(model, capture)
+
+
+def write_report(root: Path, report: dict) -> None:
+    """STORE/extraction_report.{json,md} (one per job of an array: extraction_report.rRRRRofWWWW.*):
+    the engine, tokens and seconds per split, and with features.engine vllm the numerics table."""
+    stem = "extraction_report" if report["world"] == 1 else f"extraction_report.r{report['rank']:04d}of{report['world']:04d}"
+    root.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(root / f"{stem}.json", report)
+    lines = [f"# Extraction report ({report['engine']})", ""]
+    for s, r in report.get("splits", {}).items():
+        lines.append(f"- {s}: {r['tokens']} tokens in this job's shards, {r['seconds_this_run']:.1f} s this run")
+    if "refused" in report:
+        lines += ["", f"REFUSED: {report['refused']}"]
+    if report.get("numerics"):
+        from data.vllm_capture import numerics_markdown
+
+        lines += ["", numerics_markdown(report["numerics"])]
+    write_atomic(root / f"{stem}.md", "\n".join(lines) + "\n")
 
 
 def _subcommand(argv: list[str]) -> int:

@@ -29,7 +29,7 @@ import datasets
 import torch
 from torch import nn
 
-from data.config import RunConfig
+from data.config import ConfigError, RunConfig
 from data.features import forward_features, greedy_ids
 from data.store import StoreMismatchError, StoreReader, store_root
 from heads.base import TargetIO, check_target
@@ -135,6 +135,12 @@ def open_featureset(cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.
     store of other weights under the same name and shapes is refused by its fingerprint."""
     mode = cfg.features.mode
     if mode == "online":
+        if cfg.features.engine != "transformers":
+            # vLLM would be a second copy of the target in every training process: the stream stays on
+            # transformers, the store is where vLLM's speed pays (python -m data.extract).
+            raise ConfigError(f"features.engine '{cfg.features.engine}' is for the offline store (python -m "
+                              "data.extract); features.mode=online computes features with transformers: set "
+                              "features.engine=transformers or features.mode=offline")
         if target_model is None:
             raise ValueError("features.mode=online needs the target model (it computes the features)")
         return FeatureSet(dataset, layer_ids, pad_id, target_model=target_model, with_argmax=with_argmax)

@@ -67,13 +67,14 @@ class VllmTarget:
     speculative_config: vLLM's dict (e.g. {"method": "eagle3", "model": FOLDER, "num_speculative_tokens": 2})
     or None. tensor_parallel_size goes to vLLM unchanged (data parallelism is one VllmTarget per process:
     vLLM's offline LLM refuses data_parallel_size > 1 in one process; see data.regenerate). memory: gpu_memory_utilization (on CPU the
-    share of host memory). Attribute `generation_config` is the checkpoint's own (EOS ids), like a
+    share of host memory). engine_kwargs: more of vLLM's LLM arguments (data.vllm_capture: the KV-transfer
+    connector). Attribute `generation_config` is the checkpoint's own (EOS ids), like a
     transformers model's, so data.regenerate.eos_ids works on it.
     """
 
     def __init__(self, cfg: TargetConfig, *, speculative_config: dict | None = None, tensor_parallel_size: int = 1,
                  memory: float | None = None, max_model_len: int = 4096,
-                 seed: int = 0, enforce_eager: bool | None = None) -> None:
+                 seed: int = 0, enforce_eager: bool | None = None, engine_kwargs: dict | None = None) -> None:
         vllm = require_vllm()
         from transformers import GenerationConfig
 
@@ -92,6 +93,7 @@ class VllmTarget:
         )
         if speculative_config is not None:
             kwargs["speculative_config"] = speculative_config
+        kwargs.update(engine_kwargs or {})
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_extract.py --json out.json            # ~2-4 minutes on 2 CPU cores
     .venv/bin/python scripts/bench_extract.py --data data/bundled/mt_bench.jsonl --dtype float16
+    .venv/bin/python scripts/bench_extract.py --engine vllm --json out.json   # + vLLM on the same sequences
 
 Measures, over the same length-sorted batches (data.extract.plan_shards, one rank):
   forward_tokens_per_s  the target's decoder forward alone (no hooks, no copies, no lm_head: extraction
@@ -12,6 +13,14 @@ Measures, over the same length-sorted batches (data.extract.plan_shards, one ran
   bytes_per_token       stored bytes per token (hidden x (1 + layers) x dtype size)
   read_samples_per_s    StoreReader.sample over all samples in random order, first read of each shard
                         included (it hashes the shard once)
+With --engine vllm (the `vllm` extra), the same run also extracts the same sequences through vLLM
+(features.engine vllm: data/vllm_capture.py, whose source feeds the same extract_split):
+  vllm_extract_tokens_per_s   extract_split end to end with the vLLM source (vLLM's startup not counted:
+                              `vllm_startup_s`)
+  vllm_ratio                  vllm_extract_tokens_per_s / extract_tokens_per_s (>1: vLLM is faster)
+  vllm_seconds                where the best vLLM pass spent its time: `engine` (vLLM's generate: the
+                              forward and the connector writing the captured layers), `spool_read` (reading
+                              them back), `rest` (final norm + argmax + shard writing, as in transformers)
 Each timed pass runs --repeats times, alternating forward and extraction, and the best of each is kept
 (the machine may be shared; the best pass is the least disturbed one). `cpu_ratio` is the same ratio in
 process CPU time, less sensitive to other load; `load_average` (1 min, at start and end) says how shared
@@ -57,6 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--shard-tokens", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                   help="vllm: also time extraction through vLLM on the same sequences")
     args = p.parse_args(argv)
 
     model, tok, _ = load_target(TargetConfig(name_or_path=args.target, device="cpu"))
@@ -79,6 +90,15 @@ def main(argv: list[str] | None = None) -> dict:
         base = model.get_decoder()
         with torch.no_grad():  # warm-up (first-call allocations, kernel selection)
             base(input_ids=inputs[0][0], attention_mask=inputs[0][1], use_cache=False)
+        capture, vext, vsec, startup = None, [], [], 0.0
+        if args.engine == "vllm":
+            from data.vllm_capture import VllmCapture, feature_source
+
+            t0 = time.perf_counter()
+            capture = VllmCapture(TargetConfig(name_or_path=args.target), layers, n_layers, Path(tmp) / "spool",
+                                  max_model_len=max(lengths) + 1)
+            startup = time.perf_counter() - t0
+            capture.hidden_states([ds[0]["input_ids"]])  # warm-up, like the transformers forward's
         fwd, ext, fwd_cpu, ext_cpu = [], [], [], []
         load0 = os.getloadavg()[0]
         folder = Path(tmp) / "store" / "train"
@@ -94,6 +114,15 @@ def main(argv: list[str] | None = None) -> dict:
             extract_split(model, ds, folder, header, pad_id=pad, show_progress=False)
             ext.append(tokens / (time.perf_counter() - t0))
             ext_cpu.append(tokens / (time.process_time() - c0))
+            if capture is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+                capture.seconds = dict.fromkeys(capture.seconds, 0.0)
+                t0 = time.perf_counter()
+                extract_split(model, ds, folder, header, pad_id=pad, show_progress=False,
+                              source=feature_source(model, capture))
+                total = time.perf_counter() - t0
+                vext.append(tokens / total)
+                vsec.append({**capture.seconds, "rest": total - sum(capture.seconds.values()), "total": total})
         manifest = merge(folder)
         reader = StoreReader(folder)
         order = list(range(len(reader)))
@@ -124,11 +153,19 @@ def main(argv: list[str] | None = None) -> dict:
         "all_forward_tokens_per_s": fwd,
         "all_extract_tokens_per_s": ext,
     }
-    print(f"{'metric':<24}{'value':>14}")
-    for k in ("samples", "tokens", "batches", "forward_tokens_per_s", "extract_tokens_per_s", "ratio",
-              "cpu_ratio", "bytes_per_token", "store_bytes", "read_samples_per_s"):
+    keys = ["samples", "tokens", "batches", "forward_tokens_per_s", "extract_tokens_per_s", "ratio",
+            "cpu_ratio", "bytes_per_token", "store_bytes", "read_samples_per_s"]
+    if capture is not None:
+        best = max(range(len(vext)), key=vext.__getitem__)
+        res.update({"vllm_extract_tokens_per_s": vext[best], "vllm_ratio": vext[best] / max(ext),
+                    "vllm_startup_s": startup, "vllm_seconds": vsec[best], "all_vllm_extract_tokens_per_s": vext})
+        res.update({f"vllm_{k}_s": v for k, v in vsec[best].items()})
+        keys += ["vllm_extract_tokens_per_s", "vllm_ratio", "vllm_startup_s",
+                 *[f"vllm_{k}_s" for k in vsec[best]]]
+    print(f"{'metric':<28}{'value':>14}")
+    for k in keys:
         v = res[k]
-        print(f"{k:<24}{v:>14.3f}" if isinstance(v, float) else f"{k:<24}{v:>14}")
+        print(f"{k:<28}{v:>14.3f}" if isinstance(v, float) else f"{k:<28}{v:>14}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return res

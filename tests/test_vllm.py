@@ -7,6 +7,10 @@ The `vllm` tests use the packaged SmolLM2-135M (vLLM's CPU attention kernels do 
 head size 16): a regeneration through vLLM SIGKILLed after its first chunk resumes to the same file as an
 uninterrupted run, and `eval.run --engine vllm` with an untrained EAGLE-3 head writes benchmarks.gsm8k.vllm
 (acceptance ~0 on both sides, so it checks the plumbing; a trained head's agreement is in the README).
+Extraction through vLLM (`features.engine=vllm`): a run SIGKILLed after its first shard resumes to the
+shards of an uninterrupted run (same sha256), `verify` passes and the report's numerics table agrees with
+transformers to float32 rounding; a tolerance no engine meets is refused with one line and exit 2 before any
+shard; and a planted wrong layer index (every capture one layer too deep) is refused by the numerics check.
 Every subprocess runs in its own process group, killed whole on timeout.
 """
 
@@ -132,3 +136,90 @@ def test_eval_engine_vllm_writes_the_served_section(tmp_path):
     assert greedy["tokens_per_s"] > 0 and greedy["plain_tokens_per_s"] > 0
     assert greedy["agreement"]["compared"] and greedy["agreement"]["agrees"], greedy["agreement"]
     assert not sampled["agreement"]["compared"]
+
+
+# ------------------------------------------------------------------- extraction through vLLM (features.engine)
+EXTRACT = [sys.executable, "-m", "data.extract", "--config", "configs/smollm2-135m.yaml",
+           "--data.path=data/bundled/tiny_conversations.jsonl", "--data.max_samples=16", "--features.engine=vllm",
+           "--features.shard_tokens=600", "--features.batch_tokens=1200", "--features.vllm_check_samples=2"]
+
+
+def _manifest(store: Path, split: str) -> list[tuple[str, str]]:
+    m = json.loads((store / split / "manifest.json").read_text())
+    return [(s["file"], s["sha256"]) for s in m["shards"]]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)  # three vLLM starts (about 1 minute each on 2 loaded cores)
+def test_vllm_extraction_killed_after_a_shard_resumes_to_the_uninterrupted_store(tmp_path):
+    pytest.importorskip("vllm")
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    train = killed / "features" / "train"
+    proc = kill_when([*EXTRACT, "--out", str(killed)], lambda: any(train.glob("shard-*.safetensors")), timeout=600,
+                     cwd=ROOT, env=ENV)
+    assert proc.returncode == -signal.SIGKILL, "the extraction finished before it could be killed"
+    assert not (train / "manifest.json").exists()
+    for out in (killed, whole):
+        r = _run([*EXTRACT, "--out", str(out)], timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:]
+    for split in ("train", "holdout"):
+        assert _manifest(killed / "features", split) == _manifest(whole / "features", split)
+    assert len(_manifest(whole / "features", "train")) >= 3  # the kill landed before the last shard
+    r = _run([sys.executable, "-m", "data.extract", "verify", str(killed / "features")], timeout=300)
+    assert r.returncode == 0 and r.stdout.count("OK ") == 2, r.stdout
+    # the numerics check ran and its table is in the report: every layer and `last` agree to float32 rounding
+    report = json.loads((whole / "features" / "extraction_report.json").read_text())
+    rows = {row["layer"]: row for row in report["numerics"]["layers"]}
+    assert set(rows) == {"last", "2", "15", "27"} and report["numerics"]["capture_ids"] == [2, 15, 27, 30]
+    assert all(row["rel"] < 1e-4 for row in rows.values()), rows
+    assert report["numerics"]["argmax_agreement"] > 0.99
+    assert "| 15 |" in (whole / "features" / "extraction_report.md").read_text()
+    assert not list((whole / "features").glob(".vllm-spool-*"))  # the connector's files are all read back
+
+
+@pytest.mark.vllm
+def test_vllm_extraction_above_the_tolerance_is_one_line_and_exit_2(tmp_path):
+    pytest.importorskip("vllm")
+    r = _run([*EXTRACT, "--data.max_samples=4", "--features.vllm_check_tolerance=1e-12", "--out", str(tmp_path)],
+             timeout=600)
+    assert r.returncode == 2, r.stdout[-3000:]
+    errors = [line for line in r.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: features.vllm_check_tolerance: vLLM's capture of layer")
+    assert "Traceback" not in r.stdout
+    assert not list((tmp_path / "features").rglob("shard-*"))  # refused before any shard
+    assert "REFUSED" in (tmp_path / "features" / "extraction_report.md").read_text()
+
+
+PLANTED_INDEX = '''
+import sys
+from pathlib import Path
+from data.config import TargetConfig
+from data.target import load_target
+from data.vllm_capture import NumericsError, VllmCapture, check_numerics
+
+if __name__ == "__main__":
+    model, tok, _ = load_target(TargetConfig(name_or_path="smollm2-135m", device="cpu"))
+    rows = [tok(t)["input_ids"] for t in ("The capital of France is Paris, and the capital of Spain is",
+                                          "def add(a, b):\\n    return a + b\\n\\nprint(add(2, 3))")]
+    # the planted bug: vLLM asked for every layer one too deep, the pre-norm output still right
+    cap = VllmCapture(TargetConfig(name_or_path="smollm2-135m"), [2, 15, 27], 30, Path(sys.argv[1]),
+                      max_model_len=256, capture_ids=[3, 16, 28, 30])
+    try:
+        check_numerics(model, cap, rows, 0.02)
+    except NumericsError as e:
+        print("REFUSED", e)
+        sys.exit(3)
+    print("PASSED")
+'''
+
+
+@pytest.mark.vllm
+def test_the_numerics_check_refuses_a_wrong_layer_index(tmp_path):
+    # Adjacent layers differ by ~1e-3 in max-relative terms (SmolLM2's 2.5e4 channels), so this fails if the
+    # check measured that; the per-token relative difference is ~0.25.
+    pytest.importorskip("vllm")
+    script = tmp_path / "planted.py"
+    script.write_text(PLANTED_INDEX)
+    r = _run([sys.executable, str(script), str(tmp_path / "spool")], timeout=600)
+    assert r.returncode == 3 and "REFUSED features.vllm_check_tolerance: vLLM's capture of layer" in r.stdout, \
+        r.stdout[-3000:]
