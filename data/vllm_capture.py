@@ -101,7 +101,6 @@ class VllmCapture:
         self.seconds["spool_read"] += time.perf_counter() - t1
         return result
 
-
     def close(self) -> None:
         """Remove the (by now empty) spool folder; the engine itself stops with the process."""
         shutil.rmtree(self.spool, ignore_errors=True)
