@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -80,6 +81,26 @@ def test_a_symlink_inside_the_run_folder_is_refused_and_its_target_untouched(tmp
     with pytest.raises(UserError, match="symlink"):
         append_line(tmp_path / "run" / "metrics.jsonl", "{}")
     assert victim.read_text() == "a file outside the run\n"
+
+
+def test_wandbs_own_links_do_not_block_a_resume_but_our_files_and_the_wandb_folder_are_checked(tmp_path):
+    from data.files import refuse_symlinks
+
+    run_dir = tmp_path / "run"
+    (run_dir / "wandb" / "offline-run-1").mkdir(parents=True)
+    (run_dir / "wandb" / "latest-run").symlink_to("offline-run-1")  # what wandb.init(dir=OUT) leaves behind,
+    (run_dir / "wandb" / "offline-run-1" / "debug-core.log").symlink_to(tmp_path / "cache.log")  # and this
+    refuse_symlinks(run_dir, "run folder", tools=("wandb",))
+    with pytest.raises(UserError, match="latest-run: a symlink inside the run folder"):
+        refuse_symlinks(run_dir, "run folder")  # only the tool's own folder is exempt
+    (run_dir / "metrics.jsonl").symlink_to(run_dir / "wandb" / "latest-run")
+    with pytest.raises(UserError, match="metrics.jsonl: a symlink inside the run folder"):
+        refuse_symlinks(run_dir, "run folder", tools=("wandb",))  # our own files are still checked
+    (run_dir / "metrics.jsonl").unlink()
+    shutil.move(run_dir / "wandb", tmp_path / "wandb")
+    (run_dir / "wandb").symlink_to(tmp_path / "wandb")
+    with pytest.raises(UserError, match="wandb: a symlink inside the run folder"):
+        refuse_symlinks(run_dir, "run folder", tools=("wandb",))  # the tool's folder itself must be real
 
 
 def test_a_second_training_on_one_folder_is_refused_and_a_dead_holders_lock_is_taken(tmp_path):

@@ -38,11 +38,12 @@ def claim_run_folder(out: str | Path, resume: str | None,
                      env: dict[str, str] | None = None) -> AbstractContextManager:
     """Refuse a run folder training must not write into, then lock it (rank 0; a context manager).
 
-    Refused: a symlink at or inside it (writes would go through it), another stage's folder (its marker),
+    Refused: a symlink at or inside it (writes would go through it; wandb's `latest-run` link inside wandb/
+    excepted), another stage's folder (its marker),
     and, without --resume, a folder that already holds a training run (it would be silently replaced and
     metrics.jsonl would mix both runs). The data stages' files beside it (the quickstart's one folder) stay."""
     out = Path(out)
-    refuse_symlinks(out, "run folder")
+    refuse_symlinks(out, "run folder", tools=("wandb",))  # wandb links its latest run inside wandb/
     owner = read_marker(out)
     if owner not in (None, "train"):
         raise TrainError(f"{out}: this folder belongs to a {owner} run; choose another --out for training")
