@@ -108,10 +108,11 @@ class TargetConfig:
     # `device` is then unused. Training refuses it (ZeRO-3 / FSDP shard the target there).
     device_map: Str | None = None
     trust_remote_code: Bool = False  # never set unless you trust the repository's code
-    # packed: CPU float32 inference (eval, prompts, regeneration) runs its large matrices on oneDNN-prepacked
-    # weights (data.packed: a verify pass over 2-3 tokens no longer costs 1.6-2x a one-token pass); dense:
-    # torch's default kernels.
-    cpu_kernels: Literal["packed", "dense"] = "packed"
+    # CPU float32 inference (eval, prompts, regeneration). packed: the large matrices run on oneDNN-prepacked
+    # weights (data.packed; on one machine a verify pass over 2-3 tokens went from 1.6-2x to 1.2x a one-token
+    # pass, on another packing made it 2.3x); dense: torch's default kernels; auto: the decoder's target
+    # (eval, benchmarks) times both at load and keeps the faster (printed), batched generation packs.
+    cpu_kernels: Literal["auto", "packed", "dense"] = "auto"
 
 
 @dataclass

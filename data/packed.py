@@ -33,7 +33,18 @@ packed model.
     from data.packed import pack_linears
     n = pack_linears(model)        # every nn.Linear on the CPU in float32 -> PackedLinear (in place)
 
-`target.cpu_kernels: packed` (the default) applies it wherever the target decodes
+That machine's finding does not carry over. On a later 2-core AVX-512 machine (MKL 2024.2, oneDNN 3.12) the
+same target measured T(1..4) = 49 / 49 / 53 / 74 ms dense and 48 / 113 / 101 / 117 ms packed (2 threads,
+256-token context): there oneDNN's per-call conversions cost more than MKL's small-row kernels save, and
+packing made a verify pass 2.3x a plain one. So the default, `target.cpu_kernels: auto`, has the decoder's
+target (`load_model(cfg, decode=True, verify=True)`: eval, the benchmarks) pack, then time whole target
+passes over 1-4 tokens both ways on the machine at hand (choose_kernels: 32 passes at load) and keep packed
+only where it is at least AUTO_MARGIN cheaper; otherwise the layers go back to nn.Linear. The choice is
+printed; a machine near the margin can choose differently from one load to the next (set `packed` or
+`dense` to pin it). Batched generation (prompt writing, regeneration: 32 rows a pass, the same speed either
+way) packs under `auto`, so the data stages' outputs never depend on a timing.
+
+`target.cpu_kernels: packed` applies it wherever the target decodes
 (`data.target.load_model(cfg, decode=True)`): eval, prompt writing, regeneration. A packed layer keeps its dense `weight`/`bias` (shared, so code that reads
 `lm_head.weight` and the fingerprint see the same tensors) and falls back to the dense kernel whenever
 autograd is on, the input is not float32, or oneDNN is missing, so training never goes through it. The
@@ -42,12 +53,18 @@ packed copy is taken once: weights changed after packing are not seen (pack afte
 
 from __future__ import annotations
 
+import statistics
+import sys
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 MIN_PACKED_NUMEL = 1 << 22  # 4M weights: an LLM's output projection, or every layer of a 4096-wide model
 MIN_SMALL_NUMEL = 1 << 16  # below this a matrix is not worth oneDNN's per-call overhead at any row count
+AUTO_ROWS = (1, 2, 3, 4)  # the widths of a plain step and of verifying 1-3 drafted tokens
+AUTO_MARGIN = 0.10  # packed must save this share of the summed pass time: nearer than that is timing noise
 
 
 class PackedLinear(nn.Module):
@@ -57,6 +74,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dense_single_row = dense_single_row  # one row (a plain decode step) takes the dense kernel
+        self.active = True  # False: always the dense kernel (choose_kernels times both)
         self.weight = linear.weight  # the same Parameter: state_dict, tying and fingerprints are unchanged
         self.bias = linear.bias
         with torch.no_grad():
@@ -64,7 +82,7 @@ class PackedLinear(nn.Module):
             self._packed_bias = None if linear.bias is None else linear.bias.detach().to_mkldnn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
+        if (not self.active or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
                 or (self.dense_single_row and x.numel() == self.in_features)):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features).contiguous().to_mkldnn()
@@ -95,3 +113,69 @@ def pack_linears(module: nn.Module, min_numel: int | None = None) -> int:
         else:
             count += pack_linears(child, min_numel)
     return count
+
+
+def unpack_linears(module: nn.Module) -> int:
+    """Put back an nn.Linear (the same weight and bias Parameters) for every PackedLinear under `module`."""
+    count = 0
+    for name, child in module.named_children():
+        if isinstance(child, PackedLinear):
+            linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            linear.weight, linear.bias = child.weight, child.bias
+            setattr(module, name, linear)
+            count += 1
+        else:
+            count += unpack_linears(child)
+    return count
+
+
+@torch.no_grad()
+def _time_passes(model: nn.Module, rows: tuple[int, ...], context: int, repeats: int) -> dict[str, list[float]]:
+    """Median seconds of one cached target pass over n tokens, n in `rows`, with the packed kernels on and off.
+
+    Round-robin over kernels and widths so drift in the machine's load hits every cell alike; all logits are
+    computed, as a verify pass does; every pass is cropped away again so each sees the same context."""
+    # here, not at the top: data.kvcache imports data.target, which imports this module
+    from data.kvcache import new_kv
+
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(0)
+    kv = new_kv(model, "dynamic", room=context + max(rows))
+    kv.run(torch.randint(vocab, (1, context), generator=g), logits_to_keep=1)
+    kv.keep(range(context))
+    ids = torch.randint(vocab, (1, max(rows)), generator=g)
+    times: dict[tuple[str, int], list[float]] = {}
+    for r in range(repeats + 1):  # round 0 warms every shape up
+        for kind in (("packed", "dense") if r % 2 else ("dense", "packed")):
+            for layer in layers:
+                layer.active = kind == "packed"
+            for n in rows:
+                t = time.perf_counter()
+                kv.run(ids[:, :n])
+                dt = time.perf_counter() - t
+                kv.keep([])
+                if r:
+                    times.setdefault((kind, n), []).append(dt)
+    for layer in layers:
+        layer.active = True
+    return {kind: [statistics.median(times[kind, n]) for n in rows] for kind in ("dense", "packed")}
+
+
+def choose_kernels(model: nn.Module, rows: tuple[int, ...] = AUTO_ROWS, context: int = 128,
+                   repeats: int = 3) -> str:
+    """Pack `model`'s linears, time both kernels on this machine and keep the faster ("packed" or "dense").
+
+    Packed is kept only when the summed pass time over `rows` is at least AUTO_MARGIN below dense's; else the
+    layers are unpacked again (no oneDNN copies kept). Nothing to pack (small or non-float32 targets): dense,
+    untimed."""
+    if pack_linears(model) == 0:
+        return "dense"
+    t = _time_passes(model, rows, context, repeats)
+    kind = "packed" if sum(t["packed"]) < (1 - AUTO_MARGIN) * sum(t["dense"]) else "dense"
+    if kind == "dense":
+        unpack_linears(model)
+    ms = {k: " / ".join(f"{1000 * s:.0f}" for s in v) for k, v in t.items()}
+    print(f"target.cpu_kernels auto: {kind} (T({rows[0]}..{rows[-1]}) dense {ms['dense']} ms, packed "
+          f"{ms['packed']} ms)", file=sys.stderr)
+    return kind

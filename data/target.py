@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from data.cli import UserError, cli_main
 from data.config import TargetConfig
-from data.packed import pack_linears
+from data.packed import choose_kernels, pack_linears
 from heads.base import TargetIO, target_fingerprint
 
 CHATML_TEMPLATE = (
@@ -184,12 +184,15 @@ def load_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerFast:
         raise TargetLoadError(f"target.name_or_path '{name}': cannot load tokenizer ({_reason(e)})") from None
 
 
-def load_model(cfg: TargetConfig, decode: bool = False) -> nn.Module:
+def load_model(cfg: TargetConfig, decode: bool = False, verify: bool = False) -> nn.Module:
     """The frozen target: eval mode, requires_grad False, on the configured device and dtype.
 
     decode: the caller generates tokens with it (eval, prompt writing, regeneration: a few rows per forward
     through the output projection), so with `target.cpu_kernels: packed` the large matrices of a CPU float32
-    target get oneDNN-prepacked copies (data.packed). Extraction (no output projection) and training (ZeRO-3
+    target get oneDNN-prepacked copies (data.packed). verify: the caller verifies drafts (eval, benchmarks:
+    passes of 1-4 rows), so with `auto` (the default) the kernels are timed both ways here and the faster
+    kept; batched generation (verify False: prompt writing, regeneration) keeps them packed under `auto`,
+    since its wide passes run at the same speed either way and its outputs must not hang on a timing. Extraction (no output projection) and training (ZeRO-3
     partitions the weights it would pack) do not ask for it."""
     name = cfg.name_or_path
     dtype = _dtype(cfg.dtype)
@@ -238,7 +241,9 @@ def load_model(cfg: TargetConfig, decode: bool = False) -> nn.Module:
         model.to(resolve_device(cfg.device))
     model.eval()
     model.requires_grad_(False)
-    if decode and cfg.cpu_kernels == "packed":
+    if decode and cfg.cpu_kernels == "auto" and verify:
+        choose_kernels(model)
+    elif decode and cfg.cpu_kernels != "dense":
         pack_linears(model)
     return model
 
@@ -284,9 +289,10 @@ def target_io(model: nn.Module, name: str = "") -> TargetIO:
     )
 
 
-def load_target(cfg: TargetConfig, decode: bool = False) -> tuple[nn.Module, PreTrainedTokenizerFast, TargetIO]:
-    """Model, tokenizer and TargetIO in one call (decode: see load_model)."""
-    model = load_model(cfg, decode)
+def load_target(cfg: TargetConfig, decode: bool = False,
+                verify: bool = False) -> tuple[nn.Module, PreTrainedTokenizerFast, TargetIO]:
+    """Model, tokenizer and TargetIO in one call (decode, verify: see load_model)."""
+    model = load_model(cfg, decode, verify)
     tok = load_tokenizer(cfg)
     return model, tok, target_io(model, cfg.name_or_path)
 

@@ -127,7 +127,7 @@ def _check_engine(engine: str, head_meta: dict[str, Any] | None, drafter: str, t
 def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, head_dir: str | Path | None,
           drafter: str, baselines: Sequence[str], tree: str) -> tuple[Target, Subject]:
     """The target (or the one already in memory) and the head on its device; the methods to run."""
-    model, tok, io = loaded if loaded is not None else load_target(target_cfg, decode=True)
+    model, tok, io = loaded if loaded is not None else load_target(target_cfg, decode=True, verify=True)
     device = next(model.parameters()).device
     head = head_cfg = None
     if head_dir is not None:

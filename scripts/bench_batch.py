@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise UserError("--new-tokens must be >= 2, --repeats and every batch size >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok, io = load_target(TargetConfig(name_or_path=args.target), decode=True)
+    model, tok, io = load_target(TargetConfig(name_or_path=args.target), decode=True, verify=True)
     p = next(model.parameters())
     make_head = _head_factory(args, io, p.device, p.dtype)
     rows = render_rows(tok, [[{"role": "user", "content": t}] for t in PROMPTS])

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        model, tok, io = load_target(TargetConfig(name_or_path=args.target, device="cpu", dtype="float32"), decode=True)
+        model, tok, io = load_target(TargetConfig(name_or_path=args.target, device="cpu", dtype="float32"), decode=True, verify=True)
     except TargetLoadError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from data.config import TargetConfig
-from data.packed import MIN_PACKED_NUMEL, MIN_SMALL_NUMEL, PackedLinear, pack_linears
+from data.packed import MIN_PACKED_NUMEL, MIN_SMALL_NUMEL, PackedLinear, choose_kernels, pack_linears
 from data.target import load_model, load_target
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -82,9 +82,46 @@ def test_single_row_takes_the_dense_kernel_only_when_asked(monkeypatch: pytest.M
 
 def test_load_model_packs_for_decoding_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("data.packed.MIN_SMALL_NUMEL", 0)  # pack the tiny target's matrices too
-    cfg = TargetConfig(name_or_path="tiny-random-llama", device="cpu")
+    cfg = TargetConfig(name_or_path="tiny-random-llama", device="cpu", cpu_kernels="packed")
     for packed in (load_model(cfg, decode=True), load_target(cfg, decode=True)[0]):
         assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    auto = TargetConfig(name_or_path="tiny-random-llama", device="cpu")  # batched generation packs under auto
+    assert any(isinstance(m, PackedLinear) for m in load_model(auto, decode=True).modules())
     dense_cfg = TargetConfig(**{**vars(cfg), "cpu_kernels": "dense"})
     for model in (load_model(cfg), load_target(cfg)[0], load_model(dense_cfg, decode=True)):
         assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+@pytest.mark.parametrize("faster, margin_ok", [("packed", True), ("packed", False), ("dense", True)])
+def test_auto_keeps_packed_only_where_it_times_clearly_faster(monkeypatch: pytest.MonkeyPatch, faster: str,
+                                                              margin_ok: bool) -> None:
+    monkeypatch.setattr("data.packed.MIN_SMALL_NUMEL", 0)
+    plain = [0.050, 0.050, 0.055, 0.075]
+    other = [t * (0.8 if margin_ok else 0.95) for t in plain]  # 20% cheaper, or within the 10% margin
+    timed = {"dense": plain, "packed": other} if faster == "packed" else {"dense": other, "packed": plain}
+    monkeypatch.setattr("data.packed._time_passes", lambda *a: timed)
+    cfg = TargetConfig(name_or_path="tiny-random-llama", device="cpu")  # cpu_kernels auto is the default
+    dense = load_model(cfg)
+    model = load_model(cfg, decode=True, verify=True)
+    kept = faster == "packed" and margin_ok
+    assert any(isinstance(m, PackedLinear) for m in model.modules()) == kept
+    assert model.state_dict().keys() == dense.state_dict().keys()
+    ids = torch.randint(0, 200, (1, 5))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-4, atol=1e-4)
+    if not kept:  # unpacked back to the very same Parameters, with the dense kernel bit for bit
+        assert all(type(m) is not PackedLinear for m in model.modules())
+        with torch.inference_mode():
+            assert torch.equal(model(ids).logits, dense(ids).logits)
+
+
+def test_auto_times_real_passes_and_leaves_every_layer_active(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("data.packed.MIN_SMALL_NUMEL", 0)
+    model = load_model(TargetConfig(name_or_path="tiny-random-llama", device="cpu"))
+    kind = choose_kernels(model, rows=(1, 2), context=8, repeats=1)
+    assert kind in ("packed", "dense")
+    assert any(isinstance(m, PackedLinear) for m in model.modules()) == (kind == "packed")
+    assert all(m.active for m in model.modules() if isinstance(m, PackedLinear))
+    assert f"target.cpu_kernels auto: {kind} (T(1..2) dense " in capsys.readouterr().err
+    assert choose_kernels(nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16))) == "dense"  # nothing to pack: untimed
