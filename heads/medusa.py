@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.align import shift_targets
-from heads.base import HeadConfig, check_eval_tree
+from heads.base import check_eval_tree
+from heads.losses import TokenLossConfig, check_token_loss, hard_token_loss, token_loss
 from heads.registry import Family
 from heads.sampling import draft_distribution
 from heads.tree import DEFAULT_CHOICES, StaticTree
@@ -37,7 +38,7 @@ TREES = ("chain", "static")  # the eval.tree values drafter_factory maps besides
 
 
 @dataclass
-class MedusaConfig(HeadConfig):
+class MedusaConfig(TokenLossConfig):
     family: str = "medusa"
     num_heads: int = 4  # head i predicts token t+2+i
     num_layers: int = 1  # residual blocks per head
@@ -90,6 +91,7 @@ def feature_layers(cfg: MedusaConfig, target_config: Any) -> list[int]:
 
 def build(cfg: MedusaConfig, target: TargetIO) -> MedusaHead:
     """A fresh float32 head on the target's device; vocab projections copied from the target's lm_head."""
+    check_token_loss(cfg)
     if cfg.num_heads < 1 or cfg.num_layers < 0:
         raise ValueError(f"head.num_heads must be >= 1 and head.num_layers >= 0 (got {cfg.num_heads}, {cfg.num_layers})")
     device = target.lm_head.weight.device
@@ -104,7 +106,8 @@ def build(cfg: MedusaConfig, target: TargetIO) -> MedusaHead:
 
 
 def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sum over heads of decay**i * (CE to the actual token t+2+i, or KL to the target's distribution).
+    """Sum over heads of decay**i * (CE to the actual token t+2+i, or KL to the target's distribution); with
+    head.loss tv or kl_tv, heads/losses.py's total variation (or the mix) against that token or distribution.
 
     Only positions whose predicted token is a real, loss-masked token count. The teacher distribution for
     token t+2+i is the target's own prediction at position t+1+i: lm_head(last[t+1+i]). `head` may be
@@ -133,9 +136,14 @@ def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> t
             teacher_in = torch.roll(last, shifts=-(1 + i), dims=1)[mask]
             with torch.no_grad():
                 teacher = target.lm_head(teacher_in.to(target.lm_head.weight.dtype)).float().log_softmax(-1)
+            # forward_kl is KL(p || q) here (the soft CE less p's entropy), as it always was; kl_tv mixes that KL
             head_loss = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="batchmean")
+            if cfg.loss != "forward_kl":
+                n = logits.shape[0]
+                tv = token_loss(logits, teacher.exp(), torch.ones(n, device=logits.device), n, "tv")
+                head_loss = tv if cfg.loss == "tv" else (1 - cfg.loss_tv_weight) * head_loss + cfg.loss_tv_weight * tv
         else:
-            head_loss = F.cross_entropy(logits, gold)
+            head_loss = hard_token_loss(logits, gold, cfg.loss, cfg.loss_tv_weight)
         total = total + (cfg.decay**i) * head_loss
         metrics[f"loss/{i}"] = float(head_loss.detach())
         metrics[f"top1/{i}"] = float((logits.argmax(-1) == gold).float().mean())

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
 from heads.align import shift_targets
-from heads.base import HeadConfig, check_eval_tree
+from heads.base import check_eval_tree
 from heads.cache import additive_mask, cache_kwarg, cache_length, crop_to
+from heads.losses import TokenLossConfig, check_token_loss, hard_token_loss
 from heads.registry import Family
 from heads.sampling import draft_token
 from heads.types import DraftTree, Features, TargetIO
@@ -49,7 +49,7 @@ TREES = ("chain",)  # the eval.tree values drafter_factory maps besides "auto": 
 
 
 @dataclass
-class MTPConfig(HeadConfig):
+class MTPConfig(TokenLossConfig):
     family: str = "mtp"
     num_modules: int = 1  # K modules in sequence; module k predicts token t+1+k
     recursive: bool = False  # apply one module num_steps times (FastMTP) instead of K separate modules
@@ -168,6 +168,7 @@ def _fresh_norm(template: nn.Module, hidden: int) -> nn.Module:
 
 def build(cfg: MTPConfig, target: TargetIO) -> MTPHead:
     """Fresh float32 modules on the target's device; blocks copied from the target's last layer."""
+    check_token_loss(cfg)
     if cfg.num_modules < 1 or cfg.num_steps < 1:
         raise ValueError(f"head.num_modules and head.num_steps must be >= 1 (got {cfg.num_modules}, {cfg.num_steps})")
     step_weights(cfg)  # fail early on a wrong-length step_weights
@@ -200,7 +201,8 @@ def _logits(target: TargetIO, normed: torch.Tensor) -> torch.Tensor:
 
 
 def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sum over steps k of weight_k * CE(lm_head(norm(o_k)) at t, token t+1+k), on loss-masked tokens.
+    """Sum over steps k of weight_k * CE(lm_head(norm(o_k)) at t, token t+1+k), on loss-masked tokens (head.loss
+    tv or kl_tv: heads/losses.py's total variation against that token, or the mix).
 
     `head` may be wrapped (DDP): the computation goes through its forward, config and helpers through
     `.module`.
@@ -227,7 +229,7 @@ def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> t
             metrics[f"top1/{k - 1}"] = 0.0
             continue
         logits, gold = _logits(target, out[m]), labels[m]
-        step_loss = F.cross_entropy(logits, gold)
+        step_loss = hard_token_loss(logits, gold, cfg.loss, cfg.loss_tv_weight)
         total = total + w * step_loss
         metrics[f"loss/{k - 1}"] = float(step_loss.detach())
         metrics[f"top1/{k - 1}"] = float((logits.argmax(-1) == gold).float().mean())

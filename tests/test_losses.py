@@ -12,6 +12,7 @@ from test_eagle import _batch
 
 from data.config import ConfigError, load_config
 from heads import eagle
+from heads.losses import hard_token_loss, token_loss
 
 # Two positions over a 3-token draft vocab: p is the target's (renormalised) distribution, logits the head's.
 P = torch.tensor([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]])
@@ -124,3 +125,52 @@ def test_head_loss_uses_the_configured_kind(tiny_target, family):
                                                           ("kl_tv", 1.0)])
     assert mix0 == pytest.approx(kl, rel=1e-6) and mix1 == pytest.approx(tv, rel=1e-6)
     assert tv != pytest.approx(kl) and 0 < tv < 2  # EAGLE-3: sum_s 0.8**s * mean TV; each TV in [0, 1]
+
+
+# ------------------------------------------------------------------------------ token labels (Medusa, MTP)
+GOLD = torch.tensor([0, 2])
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "tv", "kl_tv"])
+def test_hard_token_loss_is_token_loss_of_a_one_hot_and_the_direct_formula(kind):
+    logits = LOGITS[0]
+    onehot = torch.nn.functional.one_hot(GOLD, 3).float()
+    got = hard_token_loss(logits, GOLD, kind, 0.3)
+    assert got == pytest.approx(float(token_loss(logits, onehot, torch.ones(2), 2, kind, 0.3)), rel=1e-6)
+    q_gold = _q(logits)[torch.arange(2), GOLD]
+    direct = {"forward_kl": -q_gold.log(), "tv": 1 - q_gold, "kl_tv": 0.7 * -q_gold.log() + 0.3 * (1 - q_gold)}
+    assert got == pytest.approx(float(direct[kind].mean()), rel=1e-6)  # unnormalised q (exp(logits)): fails
+    with pytest.raises(ValueError, match="head.loss 'hinge'"):
+        hard_token_loss(logits, GOLD, "hinge")
+
+
+def _family_losses(tiny_target, module, cfg_cls, settings, **cfg) -> list[float]:
+    from drafters_common import make_batch
+
+    model, _, io = tiny_target
+    g = torch.Generator().manual_seed(3)
+    batch = make_batch(model, [torch.randint(3, 250, (20,), generator=g).tolist(),
+                               torch.randint(3, 250, (14,), generator=g).tolist()])
+    got = []
+    for name, w in settings:
+        torch.manual_seed(0)
+        head = module.build(cfg_cls(loss=name, loss_tv_weight=w, **cfg), io).eval()
+        with torch.no_grad():
+            got.append(float(module.loss(head, batch, io)[0]))
+    return got
+
+
+@pytest.mark.parametrize("family, cfg", [("medusa", {"num_heads": 2}), ("medusa", {"num_heads": 2, "distill": True}),
+                                         ("mtp", {"num_modules": 2})])
+def test_medusa_and_mtp_take_the_loss_choice(tiny_target, family, cfg):
+    """kl_tv at weight 0 is forward_kl (the operations the default always ran), at 1 it is tv; tv is a sum of
+    per-head / per-step means of a value in [0, 1]."""
+    from heads import medusa, mtp
+
+    module, cfg_cls = {"medusa": (medusa, medusa.MedusaConfig), "mtp": (mtp, mtp.MTPConfig)}[family]
+    kl, tv, mix0, mix1, default = _family_losses(tiny_target, module, cfg_cls, [
+        ("forward_kl", 0.5), ("tv", 0.5), ("kl_tv", 0.0), ("kl_tv", 1.0), ("forward_kl", 0.5)], **cfg)
+    assert mix0 == pytest.approx(kl, rel=1e-6) and mix1 == pytest.approx(tv, rel=1e-6)
+    assert tv != pytest.approx(kl) and 0 < tv < 2 and default == kl
+    with pytest.raises(ValueError, match="head.loss_tv_weight 1.5"):
+        module.build(cfg_cls(loss="kl_tv", loss_tv_weight=1.5, **cfg), tiny_target[2])

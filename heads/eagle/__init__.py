@@ -41,11 +41,12 @@ Drafting (`drafter`, `drafter_factory`): chains, or EAGLE-2 dynamic trees (`tree
 
 The package, one job per module (this file re-exports their public names, so `from heads.eagle import X`
 reaches all of them, and declares the two families, `FAMILIES`, for heads.registry):
-    config.py   Eagle1Config, Eagle3Config, TokenLossConfig, feature_layers, default_layer_ids, resolved_draft_vocab
+    config.py   Eagle1Config, Eagle3Config (head.loss from heads/losses.py's TokenLossConfig), feature_layers,
+                default_layer_ids, resolved_draft_vocab
     model.py    the re-implemented Llama layer (RMSNorm, Attention, MLP, DecoderLayer), ttt_attention,
                 masked_attention, rotary, Eagle1Head, Eagle3Head, build
     vocab.py    the draft vocabulary (draft_vocab_from_counts, token_counts), prepare, final_norm_scale
-    losses.py   loss (EAGLE-1 and EAGLE-3 TTT), token_loss, step_alignment
+    losses.py   loss (EAGLE-1 and EAGLE-3 TTT; the token term is heads/losses.py's token_loss), step_alignment
     drafting.py EagleDrafter (chain / EAGLE-2 dynamic tree of Candidate nodes), drafter, drafter_factory, TREES
 
 Run the unit tests with `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_alignment.py`.

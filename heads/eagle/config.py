@@ -1,7 +1,6 @@
 """EAGLE head configs and what they resolve to for a target: the captured layers and the draft vocabulary size.
 
     Eagle1Config / Eagle3Config     the `head:` section of a run config (family eagle1 / eagle3)
-    TokenLossConfig                 their shared token-loss keys (head.loss, head.loss_tv_weight)
     feature_layers(cfg, target_config)   hidden_states indices an EAGLE-3 head reads ([] for EAGLE-1)
     resolved_draft_vocab(cfg, vocab)     the draft vocabulary size (default min(32000, target vocab))
 
@@ -11,21 +10,12 @@ Tests: `.venv/bin/python -m pytest -q tests/test_eagle.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from heads.base import HeadConfig
+from heads.losses import TokenLossConfig
 
 DEFAULT_DRAFT_VOCAB = 32000
-
-
-@dataclass
-class TokenLossConfig(HeadConfig):
-    """The token loss both EAGLE families train against the target's distribution (heads/eagle/losses.py,
-    `token_loss`): forward_kl (soft cross-entropy, the default), tv (total variation, the acceptance-rate
-    objective), kl_tv (a mix)."""
-
-    loss: Literal["forward_kl", "tv", "kl_tv"] = "forward_kl"
-    loss_tv_weight: float = 0.5  # kl_tv only: (1 - w) * forward_kl + w * tv, w in [0, 1]
 
 
 @dataclass

@@ -15,6 +15,7 @@ from torch import nn
 
 from heads.align import shift_left
 from heads.eagle.model import Eagle1Head, Eagle3Head, rotary, ttt_attention
+from heads.losses import token_loss
 from heads.types import Features, TargetIO
 
 
@@ -55,35 +56,6 @@ def _draft_vocab_logits(target: TargetIO, last: torch.Tensor, draft_ids: torch.T
     w = next(target.lm_head.parameters())
     bias = getattr(target.lm_head, "bias", None)
     return F.linear(last.to(w.dtype), w[draft_ids], None if bias is None else bias[draft_ids]).float()
-
-
-def _forward_kl(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor, denom: float) -> torch.Tensor:
-    # the expression as it always was: the default loss's floating-point operations, in the same order
-    return -(mask * (p * logits.log_softmax(-1)).sum(-1)).sum() / denom
-
-
-def token_loss(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor, denom: float, kind: str = "forward_kl",
-               tv_weight: float = 0.5) -> torch.Tensor:
-    """A token loss: sum over positions of mask * L(p, q), divided by `denom` (EAGLE-3: B*T per TTT step;
-    EAGLE-1: the masked count).
-
-    logits [..., V] are the head's, q = softmax(logits); p [..., V] is the target's distribution over the same
-    V ids: for EAGLE-3 restricted to the draft vocab and renormalised there (softmax of the target's logits at
-    the draft ids), for EAGLE-1 the full vocab. `kind` (head.loss):
-        forward_kl   L = -sum_v p_v log q_v     (soft cross-entropy: KL(p || q) up to p's entropy; the default)
-        tv           L = 0.5 * sum_v |p_v - q_v|  (= 1 - sum_v min(p_v, q_v) = 1 - the acceptance rate of q
-                     under p at temperature 1: the total-variation objective of the LK losses)
-        kl_tv        L = (1 - w) * forward_kl + w * tv  with w = tv_weight (a fixed-weight hybrid; the LK
-                     paper's hybrid adapts w during training, because pure TV from scratch has small gradients)
-    """
-    if kind == "forward_kl":
-        return _forward_kl(logits, p, mask, denom)
-    tv = (mask * 0.5 * (p - logits.softmax(-1)).abs().sum(-1)).sum() / denom
-    if kind == "tv":
-        return tv
-    if kind == "kl_tv":
-        return (1.0 - tv_weight) * _forward_kl(logits, p, mask, denom) + tv_weight * tv
-    raise ValueError(f"head.loss '{kind}': must be one of forward_kl, tv, kl_tv")
 
 
 def _loss_eagle3(head: Eagle3Head, batch: dict, target: TargetIO) -> tuple[torch.Tensor, dict[str, float]]:

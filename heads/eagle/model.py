@@ -29,6 +29,7 @@ from transformers.activations import ACT2FN
 
 from heads.base import HeadConfig
 from heads.eagle.config import Eagle1Config, Eagle3Config, feature_layers, resolved_draft_vocab
+from heads.losses import check_token_loss
 from heads.types import Features, TargetIO
 
 
@@ -275,8 +276,7 @@ def build(cfg: HeadConfig, target: TargetIO) -> nn.Module:
     std = float(getattr(target.config, "initializer_range", 0.02))
     if cfg.family not in ("eagle1", "eagle3"):
         raise ValueError(f"heads.eagle cannot build family '{cfg.family}'")
-    if not 0.0 <= cfg.loss_tv_weight <= 1.0:
-        raise ValueError(f"head.loss_tv_weight {cfg.loss_tv_weight}: must be in [0, 1]")
+    check_token_loss(cfg)
     if cfg.family == "eagle1":
         head: _EagleHead = Eagle1Head(cfg, target.config)
     else:
