@@ -232,17 +232,21 @@ def make_item(pcfg: PromptsConfig, seed: int, index: int, passages: dict[str, li
     return item
 
 
-def read_passages(pcfg: PromptsConfig) -> dict[str, list[str]]:
-    """The passages of every domain that names a file: JSONL with a "text" per line, or plain text whose
-    passages are separated by blank lines. DataError naming the key for a missing, unreadable or empty file."""
+def read_passages(pcfg: PromptsConfig) -> tuple[dict[str, list[str]], dict[int, str]]:
+    """The passages of every domain that names a file (JSONL with a "text" per line, or plain text whose
+    passages are separated by blank lines) by domain name, and the sha256 of the bytes they were read from by
+    domain index (one read serves both, so the recorded digest is of what was used). DataError naming the key
+    for a missing, unreadable or empty file."""
     out: dict[str, list[str]] = {}
+    digests: dict[int, str] = {}
     for i, d in enumerate(pcfg.domains):
         if d.passages is None:
             continue
         key = f"prompts.domains[{i}].passages"
         path = Path(d.passages)
         try:
-            raw = path.read_text(encoding="utf-8")
+            data = path.read_bytes()
+            raw = data.decode("utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"{key}: cannot read {path} ({type(e).__name__}: {e})") from None
         if path.suffix == ".jsonl":
@@ -264,7 +268,8 @@ def read_passages(pcfg: PromptsConfig) -> dict[str, list[str]]:
         if not texts:
             raise DataError(f"{key}: {path} holds no passage")
         out[d.name] = texts
-    return out
+        digests[i] = hashlib.sha256(data).hexdigest()
+    return out, digests
 
 
 def trim_passage(text: str) -> str:
@@ -322,13 +327,13 @@ class Tally:
                 "mean_chars": sum(self.kept_chars) / len(self.kept_chars) if self.kept_chars else 0.0}
 
 
-def _settings(cfg: RunConfig) -> dict[str, Any]:
+def _settings(cfg: RunConfig, passage_digests: dict[int, str]) -> dict[str, Any]:
     """What decides the prompts (not batch_size: batching changes no sample; not num_prompts: a larger one
-    extends the journal)."""
+    extends the journal); passage_digests from read_passages."""
     p = to_dict(cfg.prompts)
     for k in ("batch_size", "num_prompts", "output"):
         p.pop(k)
-    for d in p["domains"]:
+    for i, d in enumerate(p["domains"]):
         # absent unless used, so a run written before context domains existed resumes; a passages file is
         # recorded by its bytes, so an edited file is not mixed into a resumed run
         if not d["requests"]:
@@ -336,7 +341,7 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
         if d["passages"] is None:
             d.pop("passages")
         else:
-            d["passages_sha256"] = hashlib.sha256(Path(d["passages"]).read_bytes()).hexdigest()
+            d["passages_sha256"] = passage_digests[i]
     return {"target": to_dict(cfg.target) | {"device": None}, "prompts": p, "seed": cfg.seed}
 
 
@@ -366,7 +371,7 @@ def write_prompts(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> d
     n_mix = round(pcfg.num_prompts * pcfg.mix_share)
     n_self = pcfg.num_prompts - n_mix
     mix = read_mix(pcfg, n_mix)
-    passages = read_passages(pcfg)
+    passages, passage_digests = read_passages(pcfg)
     if model is None or tokenizer is None:
         model, tokenizer = load_model(cfg.target, decode=True), load_tokenizer(cfg.target)
     template = cfg.data.chat_template
@@ -381,7 +386,7 @@ def write_prompts(cfg: RunConfig, model: Any = None, tokenizer: Any = None) -> d
     out_path.parent.mkdir(parents=True, exist_ok=True)
     journal = out_path.with_suffix(".candidates.jsonl")
     done = _read_journal(journal)
-    check_settings(out_path.with_suffix(".meta.json"), journal, _settings(cfg), journal.exists(), "prompts")
+    check_settings(out_path.with_suffix(".meta.json"), journal, _settings(cfg, passage_digests), journal.exists(), "prompts")
 
     filt = PromptFilter(pcfg, benchmark_index(pcfg.ngram))
     tally = {d.name: Tally() for d in pcfg.domains}

@@ -182,7 +182,7 @@ def test_default_domains_draw_the_items_they_drew_before_context_domains_existed
                    ("writing", "Write a poem about", 8604228554895778781, "", None),
                    ("math", "Tom has", 687991602068036365, "", None),
                    ("coding", "How do I", 4498864004398046877, "", None)]
-    assert all("requests" not in d and "passages" not in d for d in pr._settings(load_config(None))["prompts"]["domains"])
+    assert all("requests" not in d and "passages" not in d for d in pr._settings(load_config(None), {})["prompts"]["domains"])
 
 
 def test_trim_passage_keeps_finished_sentences():
