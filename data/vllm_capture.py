@@ -82,7 +82,7 @@ class VllmCapture:
             load_hidden_states,
         )
 
-        sp = self.engine._vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        sp = self.engine.sampling_params(max_tokens=1, temperature=0.0, detokenize=False)
         t0 = time.perf_counter()
         outs = self.engine.llm.generate([{"prompt_token_ids": list(r)} for r in rows], sp, use_tqdm=False)
         t1 = time.perf_counter()

@@ -97,6 +97,10 @@ class VllmTarget:
         self.llm = vllm.LLM(**kwargs)
         self._vllm = vllm
 
+    def sampling_params(self, **kwargs: Any) -> Any:
+        """vLLM's SamplingParams(**kwargs), from the vLLM this target was built with."""
+        return self._vllm.SamplingParams(**kwargs)
+
     def generate(self, rows: list[list[int]], *, max_new_tokens: int, eos: list[int], temperature: float = 0.0,
                  top_p: float = 1.0, seeds: list[int] | None = None) -> list[list[int]]:
         """New token ids per prompt row (EOS included when it stopped), in the order of `rows`.
@@ -104,10 +108,10 @@ class VllmTarget:
         seeds: one per row for sampling (each request draws from its own seeded generator, so an answer
         does not depend on the other requests); ignored when temperature is 0 (greedy).
         """
-        sp = self._vllm.SamplingParams
-        params = [sp(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=list(eos),
-                     seed=(seeds[i] if seeds is not None and temperature > 0 else None), ignore_eos=False,
-                     skip_special_tokens=False, detokenize=False)
+        params = [self.sampling_params(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                       stop_token_ids=list(eos),
+                                       seed=(seeds[i] if seeds is not None and temperature > 0 else None),
+                                       ignore_eos=False, skip_special_tokens=False, detokenize=False)
                   for i in range(len(rows))]
         prompts = [{"prompt_token_ids": list(r)} for r in rows]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
