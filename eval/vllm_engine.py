@@ -331,6 +331,72 @@ def served_k(export: Path, k: int) -> int:
     return int(proposals[0].get("speculative_tokens", k))
 
 
+def _engine_curve(base_job: dict[str, Any], spec: dict[str, Any], with_spec: dict[str, Any], plain: dict[str, Any],
+                  k: int, timeout_s: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """The concurrency table from the fixed-k and plain engines, with the per-batch-size column: its schedule
+    chosen from their curve and served by a third engine (unless it is k everywhere, the fixed-k engine)."""
+    sizes = base_job["concurrency"]["sizes"]
+    table = concurrency_section(sizes, with_spec["concurrency"], plain["concurrency"], k)
+    ks = per_batch_size_k([(r["concurrency"], r["speedup"]) for r in table["rows"]], k)
+    schedule = batch_size_schedule(sizes, ks)
+    if all(x == k for x in ks):  # the schedule is the fixed-k configuration: its curve is the same run
+        scheduled, run = with_spec["concurrency"], "the fixed-k engine's (the schedule is k at every concurrency)"
+    else:
+        log(f"vllm: the curve again with num_speculative_tokens_per_batch_size {schedule}")
+        scheduled = run_worker(base_job | {"groups": [], "speculative_config": spec | {
+            "num_speculative_tokens_per_batch_size": schedule}}, timeout_s, log)["concurrency"]
+        run = "its own engine"
+    add_schedule_runs(table, scheduled, ks, k)
+    table.update({"per_batch_size_schedule": schedule, "per_batch_size_run": run,
+                  "per_batch_size_rule": "k where the fixed-k head beat plain at that concurrency, else 0 = no "
+                                         "drafts; in speculative_config, since vLLM's speculators config reader "
+                                         "takes only speculative_tokens from config.json"})
+    return table
+
+
+def _bench_sections(with_spec: dict[str, Any], plain: dict[str, Any], builtin: Callable[[str, str], Any], k: int,
+                    header: dict[str, Any], log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """benchmarks.<name>.vllm from the one-at-a-time groups of both engines: a served_row per temperature (the
+    greedy agreement first, so a sampled row knows whether the export is suspect), logged."""
+    version = with_spec["vllm_version"]
+    pairs = list(zip(with_spec["groups"], plain["groups"]))
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    greedy_agrees: dict[str, bool] = {}
+    for g, p in sorted(pairs, key=lambda pair: pair[0]["temperature"] > 0):  # greedy first, whatever the eval's order
+        temp, bench = f"{g['temperature']:g}", g["bench"]
+        ours = builtin(temp, bench)
+        row = served_row(g, p, ours, k, header["device"], version, greedy_agrees.get(bench))
+        agree = row["agreement"]
+        if g["temperature"] == 0 and agree["compared"]:
+            greedy_agrees[bench] = agree["agrees"]
+            if not agree["agrees"]:
+                bad = next(r for r in agree["positions"] if not r["overlap"])
+                log(f"WARNING: {bench} (T={temp}): vLLM acceptance at position {bad['position']} is "
+                    f"{bad['vllm']:.3f} {bad['vllm_ci95']}, the built-in decoder's {bad['builtin']:.3f} "
+                    f"{bad['builtin_ci95']}: the served head does not compute what was evaluated; likely an "
+                    "export bug (layer ids, norms, d2t, RoPE): check convert/ against the engine")
+        rows[bench, temp] = row
+        if "engine_fault" in row:
+            log(f"ENGINE FAULT {bench} T={temp}: {row['engine_fault']}; its acceptance and speedup are withheld")
+            continue
+        ours_txt = f", built-in {ours.acceptance_rates[0]:.3f}" if ours is not None and ours.acceptance_rates else ""
+        log(f"vllm {bench} T={temp}: acceptance per position "
+            f"{' / '.join(f'{a:.3f}' for a in row['acceptance_per_position'])}{ours_txt}; mean acceptance length "
+            f"{row['mean_acceptance_length']:.2f}; {row['tokens_per_s']:.1f} tok/s vs {row['plain_tokens_per_s']:.1f} "
+            f"plain ({row['speedup'] or 0:.2f}x); "
+            + ("agrees with the built-in decoder" if agree.get("agrees") else
+               "DISAGREES with the built-in decoder" if agree["compared"] else "not compared: " + agree["reason"]))
+    sections: dict[str, dict[str, Any]] = {}
+    for g, _ in pairs:  # in the eval's order; the section's headline is its first temperature's row
+        temp, bench = f"{g['temperature']:g}", g["bench"]
+        sections.setdefault(bench, header | {"by_temperature": {}})["by_temperature"][temp] = rows[bench, temp]
+    for sec in sections.values():
+        first = next(iter(sec["by_temperature"].values()))
+        sec.update({key: first[key] for key in ("acceptance_per_position", "mean_acceptance_length", "tokens_per_s",
+                                               "plain_tokens_per_s", "speedup", "agreement")})
+    return sections
+
+
 def served_sections(
     head_dir: str | Path,
     io: Any,
@@ -388,67 +454,19 @@ def served_sections(
         with_spec = run_worker(base_job | {"speculative_config": spec}, timeout_s, log)
         log("vllm: the same requests without speculation")
         plain = run_worker(base_job | {"speculative_config": None}, timeout_s, log)
-        table = concurrency_section(sizes, with_spec["concurrency"], plain["concurrency"], k_served)
-        ks = per_batch_size_k([(r["concurrency"], r["speedup"]) for r in table["rows"]], k_served)
-        schedule = batch_size_schedule(sizes, ks)
-        schedule_run = "the fixed-k engine's (the schedule is k at every concurrency)"
-        if all(x == k_served for x in ks):  # the schedule is the fixed-k configuration: its curve is the same run
-            scheduled = with_spec["concurrency"]
-        else:
-            schedule_run = "its own engine"
-            log(f"vllm: the curve again with num_speculative_tokens_per_batch_size {schedule}")
-            scheduled = run_worker(base_job | {"groups": [], "speculative_config": spec | {
-                "num_speculative_tokens_per_batch_size": schedule}}, timeout_s, log)["concurrency"]
+        table = _engine_curve(base_job, spec, with_spec, plain, k_served, timeout_s, log)
     version, device = with_spec["vllm_version"], with_spec["device"]
     engine = {"engine": f"vllm {version}", "device": device, "method": serving.method, "export": serving.format,
               "num_speculative_tokens": k_served, "eval_k": k,
               "num_speculative_tokens_source": "the export's speculators_config.proposal_methods[0]"
                                                ".speculative_tokens (dflash: block_size - 1; eagle3: the eval's k)"}
-
-    sections: dict[str, dict[str, Any]] = {}
-    greedy_agrees: dict[str, bool] = {}
-    for g, p in zip(with_spec["groups"], plain["groups"]):
-        temp, bench = f"{g['temperature']:g}", g["bench"]
-        ours = builtin(temp, bench)
-        row = served_row(g, p, ours, k_served, device, version, greedy_agrees.get(bench))
-        agree = row["agreement"]
-        if g["temperature"] == 0 and agree["compared"]:
-            greedy_agrees[bench] = agree["agrees"]
-            if not agree["agrees"]:
-                bad = next(r for r in agree["positions"] if not r["overlap"])
-                log(f"WARNING: {bench} (T={temp}): vLLM acceptance at position {bad['position']} is "
-                    f"{bad['vllm']:.3f} {bad['vllm_ci95']}, the built-in decoder's {bad['builtin']:.3f} "
-                    f"{bad['builtin_ci95']}: the served head does not compute what was evaluated; likely an "
-                    "export bug (layer ids, norms, d2t, RoPE): check convert/ against the engine")
-        sec = sections.setdefault(bench, engine | {
-            "draft_sample_method": spec.get("draft_sample_method", "greedy"),
-            "requests": "one at a time (batch 1), the eval's own prompt ids",
-            "acceptance_definition": ACCEPTANCE_DEFINITION, "by_temperature": {}})
-        sec["by_temperature"][temp] = row
-        if "engine_fault" in row:
-            log(f"ENGINE FAULT {bench} T={temp}: {row['engine_fault']}; its acceptance and speedup are withheld")
-            continue
-        ours_txt = f", built-in {ours.acceptance_rates[0]:.3f}" if ours is not None and ours.acceptance_rates else ""
-        log(f"vllm {bench} T={temp}: acceptance per position "
-            f"{' / '.join(f'{a:.3f}' for a in row['acceptance_per_position'])}{ours_txt}; mean acceptance length "
-            f"{row['mean_acceptance_length']:.2f}; {row['tokens_per_s']:.1f} tok/s vs {row['plain_tokens_per_s']:.1f} "
-            f"plain ({row['speedup'] or 0:.2f}x); "
-            + ("agrees with the built-in decoder" if agree.get("agrees") else
-               "DISAGREES with the built-in decoder" if agree["compared"] else "not compared: " + agree["reason"]))
-    for sec in sections.values():
-        first = next(iter(sec["by_temperature"].values()))
-        sec.update({key: first[key] for key in ("acceptance_per_position", "mean_acceptance_length", "tokens_per_s",
-                                               "plain_tokens_per_s", "speedup", "agreement")})
-
-    add_schedule_runs(table, scheduled, ks, k_served)
-    table.update(engine | {
-        "concurrency": sizes, "max_num_seqs": max(sizes), "max_new_tokens": concurrency_new_tokens,
-        "prompts": len(prompts), "greedy": True, "ignore_eos": True,
-        "tokens_per_s": "end to end (prefill included), all requests together",
-        "per_batch_size_schedule": schedule, "per_batch_size_run": schedule_run,
-        "per_batch_size_rule": "k where the fixed-k head beat plain at that concurrency, else 0 = no drafts; in "
-                               "speculative_config, since vLLM's speculators config reader takes only "
-                               "speculative_tokens from config.json"})
+    sections = _bench_sections(with_spec, plain, builtin, k_served, engine | {
+        "draft_sample_method": spec.get("draft_sample_method", "greedy"),
+        "requests": "one at a time (batch 1), the eval's own prompt ids",
+        "acceptance_definition": ACCEPTANCE_DEFINITION}, log)
+    table.update(engine | {"concurrency": sizes, "max_num_seqs": max(sizes), "max_new_tokens": concurrency_new_tokens,
+                           "prompts": len(prompts), "greedy": True, "ignore_eos": True,
+                           "tokens_per_s": "end to end (prefill included), all requests together"})
     for r in table["rows"]:
         log(f"vllm concurrency {r['concurrency']}: plain {r['plain_tok_s']:.1f} tok/s, head {r['head_tok_s']:.1f} "
             f"({r['speedup'] or 0:.2f}x, tau {r['tau']:.2f}), per-batch-size k {r['per_batch_k']} "

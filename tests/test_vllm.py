@@ -114,7 +114,8 @@ def test_the_engine_curve_table_and_its_crossovers():
     assert table["rows"][2]["per_batch_tau"] == 1.0  # no drafts at k 0
     table.update({"engine": "vllm 0.32.0", "device": "cpu", "method": "eagle3", "num_speculative_tokens": 3,
                   "max_num_seqs": 16, "prompts": 2, "max_new_tokens": 16, "tokens_per_s": "end to end",
-                  "per_batch_size_schedule": batch_size_schedule(sizes, ks), "per_batch_size_rule": "rule"})
+                  "per_batch_size_schedule": batch_size_schedule(sizes, ks), "per_batch_size_rule": "rule",
+                  "per_batch_size_run": "its own engine"})
     md = "\n".join(concurrency_lines(table))
     assert "| 4 | 40.0 | 40.0 | 1.00x | 1.60 | 0 | 40.5 | 1.01x | 1.00 |" in md
     assert "fixed k **4**, per-batch-size k **none in this range**" in md
