@@ -16,11 +16,12 @@ c of the eval's batch sizes (eval.batch_sizes, default 1, 2, 4, 8, 16), greedy, 
 to fill c, EOS ignored so c stay in flight to the end (like eval/batch.py's sweep); the engine is started
 with max_num_seqs = the largest c and one engine serves every c. Tokens/s is end to end (prefill
 included). From the fixed-k curve `per_batch_size_k` chooses a draft length per concurrency (k where the
-head beat plain, else 0: vLLM 0.32's `num_speculative_tokens_per_batch_size` takes (start, end, k) ranges
-with k >= 0, 0 meaning no draft tokens at that batch size, checked on CPU), and a third engine serves the
-curve again with that schedule. The schedule goes in speculative_config, not into the export: vLLM's
-speculators config reader (`SpeculatorsConfig.build_vllm_speculative_config`) takes only `method` and
-`speculative_tokens` from a config.json.
+head beat plain with tau > 1, else 0: vLLM 0.32's `num_speculative_tokens_per_batch_size` takes (start,
+end, k) ranges with k >= 0, 0 meaning no draft tokens at that batch size, checked on CPU), and a third
+engine serves the curve again with that schedule (unless it is k everywhere: then it is the fixed-k
+engine). The schedule goes in speculative_config, not into the export: vLLM's speculators config reader
+(`SpeculatorsConfig.build_vllm_speculative_config`) takes only `method` and `speculative_tokens` from a
+config.json.
 
 Families: vLLM serves EAGLE-3 and DFlash heads from the speculators layouts, which are what is exported.
 EAGLE-1 has no vLLM layout here (README, Known limits), Medusa is exported in the Medusa repository's layout
@@ -181,10 +182,12 @@ def served_row(spec: dict[str, Any], plain: dict[str, Any], ours: Any, k: int, d
     return row
 
 
-def per_batch_size_k(curve: list[tuple[int, float | None]], k: int) -> list[int]:
-    """A draft length per measured concurrency (ascending): k where the fixed-k head beat plain, else 0
-    (vLLM 0.32 takes 0 in num_speculative_tokens_per_batch_size: no draft tokens at that batch size)."""
-    return [k if speedup is not None and speedup > 1.0 else 0 for _, speedup in curve]
+def per_batch_size_k(curve: list[tuple[int, float | None, float]], k: int) -> list[int]:
+    """A draft length per measured concurrency from (concurrency, speedup, tau), ascending: k where the
+    fixed-k head beat plain and accepted something (tau > 1: a head that accepted nothing cannot be faster,
+    so its "speedup" there is the machine's noise), else 0 (vLLM 0.32 takes 0 in
+    num_speculative_tokens_per_batch_size: no draft tokens at that batch size)."""
+    return [k if speedup is not None and speedup > 1.0 and tau > 1.0 else 0 for _, speedup, tau in curve]
 
 
 def batch_size_schedule(sizes: list[int], ks: list[int]) -> list[list[int]]:
@@ -337,7 +340,7 @@ def _engine_curve(base_job: dict[str, Any], spec: dict[str, Any], with_spec: dic
     chosen from their curve and served by a third engine (unless it is k everywhere, the fixed-k engine)."""
     sizes = base_job["concurrency"]["sizes"]
     table = concurrency_section(sizes, with_spec["concurrency"], plain["concurrency"], k)
-    ks = per_batch_size_k([(r["concurrency"], r["speedup"]) for r in table["rows"]], k)
+    ks = per_batch_size_k([(r["concurrency"], r["speedup"], r["tau"]) for r in table["rows"]], k)
     schedule = batch_size_schedule(sizes, ks)
     if all(x == k for x in ks):  # the schedule is the fixed-k configuration: its curve is the same run
         scheduled, run = with_spec["concurrency"], "the fixed-k engine's (the schedule is k at every concurrency)"
@@ -348,8 +351,8 @@ def _engine_curve(base_job: dict[str, Any], spec: dict[str, Any], with_spec: dic
         run = "its own engine"
     add_schedule_runs(table, scheduled, ks, k)
     table.update({"per_batch_size_schedule": schedule, "per_batch_size_run": run,
-                  "per_batch_size_rule": "k where the fixed-k head beat plain at that concurrency, else 0 = no "
-                                         "drafts; in speculative_config, since vLLM's speculators config reader "
+                  "per_batch_size_rule": "k where the fixed-k head beat plain at that concurrency with tau > 1, "
+                                         "else 0 = no drafts; in speculative_config, since vLLM's speculators config reader "
                                          "takes only speculative_tokens from config.json"})
     return table
 

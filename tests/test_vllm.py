@@ -105,7 +105,7 @@ def test_the_engine_curve_table_and_its_crossovers():
     assert [r["speedup"] for r in table["rows"]] == pytest.approx([1.5, 1.2, 1.0, 0.8, 0.9])
     assert table["crossover"] == 4  # the first concurrency NOT faster: equal counts as not faster
     assert table["rows"][0]["tau"] == pytest.approx(1.6) and table["rows"][0]["acceptance_per_position"] == [0.4, 0.5]
-    ks = per_batch_size_k([(r["concurrency"], r["speedup"]) for r in table["rows"]], 3)
+    ks = per_batch_size_k([(r["concurrency"], r["speedup"], r["tau"]) for r in table["rows"]], 3)
     assert ks == [3, 3, 0, 0, 0]
     assert batch_size_schedule(sizes, ks) == [[1, 1, 3], [2, 3, 3], [4, 7, 0], [8, 15, 0], [16, 16, 0]]
     # with the schedule: drafts at 1 and 2 as before, plain-like 40.5, 81, 161 tok/s (1.01x) above
@@ -122,8 +122,8 @@ def test_the_engine_curve_table_and_its_crossovers():
 
 
 def test_the_per_batch_size_choice_follows_the_curve_and_starts_at_1():
-    # an unmeasured speedup (plain gave no tokens) is not a reason to draft
-    assert per_batch_size_k([(2, 1.3), (4, None), (8, 0.99)], 2) == [2, 0, 0]
+    # an unmeasured speedup (plain gave no tokens) is not a reason to draft, nor a "speedup" without acceptance
+    assert per_batch_size_k([(2, 1.3, 1.4), (4, None, 1.4), (8, 0.99, 1.4), (16, 1.4, 1.0)], 2) == [2, 0, 0, 0]
     assert batch_size_schedule([2, 4, 8], [2, 0, 0]) == [[1, 3, 2], [4, 7, 0], [8, 8, 0]]
     assert batch_size_schedule([1], [0]) == [[1, 1, 0]]
 
