@@ -19,7 +19,9 @@ included). From the fixed-k curve `per_batch_size_k` chooses a draft length per 
 head beat plain with tau > 1, else 0: vLLM 0.32's `num_speculative_tokens_per_batch_size` takes (start,
 end, k) ranges with k >= 0, 0 meaning no draft tokens at that batch size, checked on CPU), and a third
 engine serves the curve again with that schedule (unless it is k everywhere: then it is the fixed-k
-engine). The schedule goes in speculative_config, not into the export: vLLM's speculators config reader
+engine). k 0 is not plain decoding: vLLM still runs the drafter's first forward every step to keep its KV
+cache in sync (`llm_base_proposer.propose` returns no tokens only after it) and the target still captures
+the drafter's hidden states, so speculation cannot be switched off per batch size, only its drafts. The schedule goes in speculative_config, not into the export: vLLM's speculators config reader
 (`SpeculatorsConfig.build_vllm_speculative_config`) takes only `method` and `speculative_tokens` from a
 config.json.
 
