@@ -258,6 +258,8 @@ def test_eval_engine_vllm_writes_the_served_section(tmp_path):
     assert all(r["plain_tok_s"] > 0 and r["head_tok_s"] > 0 and r["per_batch_tok_s"] > 0 for r in curve["rows"])
     assert [x[2] for x in curve["per_batch_size_schedule"]] == [r["per_batch_k"] for r in curve["rows"]]
     assert curve["per_batch_size_schedule"][0][:2] == [1, 1]
+    # an untrained head (tau ~1) drafts nowhere under the schedule, served by its own engine at k 0
+    assert (curve["per_batch_size_run"] == "its own engine") == any(r["per_batch_k"] != 2 for r in curve["rows"])
     md = (tmp_path / "ev" / "report.md").read_text()
     assert "## vLLM throughput against concurrency" in md and "## Served by vLLM: gsm8k" in md
 
