@@ -102,16 +102,18 @@ class VllmTarget:
         return self._vllm.SamplingParams(**kwargs)
 
     def generate(self, rows: list[list[int]], *, max_new_tokens: int, eos: list[int], temperature: float = 0.0,
-                 top_p: float = 1.0, seeds: list[int] | None = None) -> list[list[int]]:
+                 top_p: float = 1.0, seeds: list[int] | None = None, ignore_eos: bool = False) -> list[list[int]]:
         """New token ids per prompt row (EOS included when it stopped), in the order of `rows`.
 
         seeds: one per row for sampling (each request draws from its own seeded generator, so an answer
-        does not depend on the other requests); ignored when temperature is 0 (greedy).
+        does not depend on the other requests); ignored when temperature is 0 (greedy). ignore_eos: every
+        row gets exactly max_new_tokens (a throughput curve keeps all its requests in flight to the end).
         """
+        stop = [] if ignore_eos else list(eos)  # vLLM stops at stop_token_ids even with ignore_eos
         params = [self.sampling_params(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                       stop_token_ids=list(eos),
+                                       stop_token_ids=stop,
                                        seed=(seeds[i] if seeds is not None and temperature > 0 else None),
-                                       ignore_eos=False, skip_special_tokens=False, detokenize=False)
+                                       ignore_eos=ignore_eos, skip_special_tokens=False, detokenize=False)
                   for i in range(len(rows))]
         prompts = [{"prompt_token_ids": list(r)} for r in rows]
         outs = self.llm.generate(prompts, params, use_tqdm=False)

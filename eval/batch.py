@@ -273,6 +273,13 @@ def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, method
     return row
 
 
+def first_not_faster(curve: Sequence[tuple[int, float | None]]) -> int | None:
+    """The crossover of a (batch size or concurrency, speedup over plain) curve in ascending order: the first
+    size whose speedup is not above 1 (an unmeasured speedup, None, counts as not faster); None when every
+    size pays."""
+    return next((size for size, speedup in curve if speedup is None or speedup <= 1.0), None)
+
+
 def sweep(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -306,7 +313,7 @@ def sweep(
             raise ValueError(f"batch size must be >= 1, got {b}")
         rows.append(_sweep_row(model, [prompts[i % len(prompts)] for i in range(b)], pad_id, methods,
                                max_new_tokens, surface, repeats, progress))
-    crossover = {m.name: next((r["batch_size"] for r in rows if r["methods"][m.name]["speedup"] <= 1.0), None)
+    crossover = {m.name: first_not_faster([(r["batch_size"], r["methods"][m.name]["speedup"]) for r in rows])
                  for m in methods}
     return {
         "methods": [m.name for m in methods],

@@ -5,11 +5,13 @@
 Files written into the run folder by `write_report(report, out_dir)` (report.json last, see there):
   report.json                  everything eval.run measured (benchmarks.<name>.tau / .speedup /
                                .acceptance_per_position, speedup_model.best_k / .predicted / .measured,
-                               batch_sweep, costs, ...)
+                               batch_sweep, vllm_concurrency, costs, ...)
   report.md                    a table per benchmark, what the drafting policy did (chosen draft lengths,
                                share of passes that drafted, accepted tokens by proposer), the speedup
                                model, the batch sweep (per method: throughput, latency, tau, crossover;
-                               a text plot)
+                               a text plot); with --engine vllm the served acceptance per benchmark
+                               (engine faults in place of their numbers) and the engine's throughput
+                               against concurrency (plain, fixed k, per-batch-size k, crossovers)
   acceptance_per_position.png  conditional acceptance at each draft position, per benchmark
   tau_by_category.png          tau per category, per benchmark
   speedup_vs_k.png             predicted speedup for each k, and the measured one at the k that ran
@@ -129,6 +131,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"The run drafted trees (~{t['nodes']} nodes, depth {t['depth']}): its measured tau {_f(t['tau'])} "
                   f"at the measured costs predicts {_f(t['predicted_speedup'], 2, 'x')}."]
     lines += batch_lines(report["batch_sweep"])
+    lines += served_lines(report["benchmarks"])
+    if report.get("vllm_concurrency"):
+        lines += concurrency_lines(report["vllm_concurrency"])
     return "\n".join(lines)
 
 
@@ -156,6 +161,54 @@ def batch_lines(bs: dict[str, Any]) -> list[str]:
                           for n, t in bs["single_stream_tau"].items() if bs["rows"]) + ".", ""]
     lines += ["```", *text_plot(bs), "```", ""]
     return lines
+
+
+def served_lines(benchmarks: dict[str, Any]) -> list[str]:
+    """Per benchmark served by vLLM (--engine vllm): acceptance, tau, tokens/s and agreement per temperature;
+    a row with an engine fault shows the fault sentence instead of its numbers."""
+    lines: list[str] = []
+    for name, b in benchmarks.items():
+        v = b.get("vllm")
+        if not v:
+            continue
+        lines += ["", f"## Served by vLLM: {name}", "",
+                  f"{v['engine']} ({v.get('device', '?')}), method {v['method']}, k {v['num_speculative_tokens']} "
+                  f"(eval k {v.get('eval_k', v['num_speculative_tokens'])}), drafts {v.get('draft_sample_method', 'greedy')}"
+                  f", {v['requests']}.", "",
+                  "| temperature | vLLM acceptance per position | built-in | tau | tok/s | plain tok/s | speedup | agreement |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for temp, r in v["by_temperature"].items():
+            agree = r["agreement"]
+            verdict = (f"ENGINE FAULT: {r['engine_fault']}" if r.get("engine_fault") else
+                       _f(agree["agrees"]) if agree["compared"] else f"not compared ({agree['reason']})")
+            withheld = "withheld" if r.get("engine_fault") else None
+            lines.append(f"| {temp} | {withheld or _acc(r['acceptance_per_position'])} | "
+                         f"{_acc(r.get('builtin_acceptance_per_position'))} | {_f(r['mean_acceptance_length'])} | "
+                         f"{_f(r['tokens_per_s'], 1)} | {_f(r['plain_tokens_per_s'], 1)} | "
+                         f"{_f(r['speedup'], 2, 'x')} | {verdict} |")
+    return lines + ([""] if lines else [])
+
+
+def concurrency_lines(vc: dict[str, Any]) -> list[str]:
+    """The engine's curve beside the batch sweep: plain and head tokens/s per concurrency, tau, the
+    per-batch-size draft length's column, and both crossovers."""
+    cross = ", ".join(f"{label} **{c if c is not None else 'none in this range'}**"
+                      for label, c in (("fixed k", vc["crossover"]), ("per-batch-size k", vc.get("per_batch_crossover"))))
+    lines = ["", "## vLLM throughput against concurrency", "",
+             f"{vc['engine']} ({vc['device']}), {vc['method']} at k {vc['num_speculative_tokens']}: c requests "
+             f"submitted together to one engine (max_num_seqs {vc['max_num_seqs']}), greedy, the eval's "
+             f"{vc['prompts']} prompts cycled, {vc['max_new_tokens']} new tokens each (EOS ignored); tokens/s = "
+             f"{vc['tokens_per_s']} (the batch sweep above counts decode only); tau = vLLM's mean acceptance "
+             f"length. Per-batch-size k: num_speculative_tokens_per_batch_size {vc['per_batch_size_schedule']} "
+             f"({vc['per_batch_size_rule']}), its columns from {vc['per_batch_size_run']}.", "",
+             "| concurrency | plain tok/s | head tok/s | speedup | tau | per-batch-size k | its tok/s | its speedup | its tau |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in vc["rows"]:
+        lines.append(f"| {r['concurrency']} | {_f(r['plain_tok_s'], 1)} | {_f(r['head_tok_s'], 1)} | "
+                     f"{_f(r['speedup'], 2, 'x')} | {_f(r['tau'])} | {r.get('per_batch_k', '-')} | "
+                     f"{_f(r.get('per_batch_tok_s'), 1)} | {_f(r.get('per_batch_speedup'), 2, 'x')} | "
+                     f"{_f(r.get('per_batch_tau'))} |")
+    return lines + ["", f"Crossover (the first concurrency where the head is not faster than plain): {cross}.", ""]
 
 
 def text_plot(bs: dict[str, Any], width: int = 40) -> list[str]:
@@ -338,8 +391,10 @@ TAU_DEFINITION = "tokens per target forward pass, counting the corrected or bonu
 
 def assemble_report(target_cfg: TargetConfig, head_dir: str | Path | None, subject: Subject, costs: Costs,
                     cfg_eval: EvalConfig, device: torch.device, *, benchmarks: dict[str, Any],
-                    speedup: dict[str, Any], batch: dict[str, Any]) -> dict[str, Any]:
-    """report.json: what ran and the definitions, then the measured sections, the machine and the config."""
+                    speedup: dict[str, Any], batch: dict[str, Any],
+                    vllm_concurrency: dict[str, Any] | None = None) -> dict[str, Any]:
+    """report.json: what ran and the definitions, then the measured sections, the machine and the config.
+    vllm_concurrency: the engine's curve (eval/vllm_engine.py, --engine vllm), None without it."""
     return {
         "target": target_cfg.name_or_path,
         "head": None if head_dir is None else str(head_dir),
@@ -362,6 +417,7 @@ def assemble_report(target_cfg: TargetConfig, head_dir: str | Path | None, subje
         "speedup_model": speedup,
         "costs": costs.section(),
         "batch_sweep": batch,
+        "vllm_concurrency": vllm_concurrency,
         "machine": {"device": str(device), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
                     "torch": torch.__version__},
         "eval_config": to_dict(cfg_eval),

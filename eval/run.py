@@ -31,9 +31,12 @@ overhead-bound, and on a 2-core machine shared with other jobs two threads stall
 target's single-token pass measured 3-360 ms with 2 threads under load, 3-16 ms with 1), which would
 drown the plain-vs-speculative comparison in noise. The thread count is recorded in report.json.
 
---engine vllm (the `vllm` extra; EAGLE-3 heads) also serves the exported head in vLLM on the same turns
-and writes benchmarks.<name>.vllm: vLLM's acceptance per position, mean acceptance length, tokens/s with
-and without speculation, and its agreement with the built-in decoder (eval/vllm_engine.py).
+--engine vllm (the `vllm` extra; EAGLE-3 and DFlash heads) also serves the exported head in vLLM on the same
+turns and writes benchmarks.<name>.vllm: vLLM's acceptance per position, mean acceptance length, tokens/s
+with and without speculation, and its agreement with the built-in decoder (at T > 0 with vLLM's
+probabilistic drafts; a disagreement there is reported as an engine fault, its numbers withheld); and
+vllm_concurrency: the engine's tokens/s and tau at each of --batch-sizes requests in flight, plain, the
+head at fixed k and with a per-batch-size draft length chosen from that curve (eval/vllm_engine.py).
 
 From Python (train/*.py with train.eval_at_end): `evaluate(head_dir, cfg.eval, out_dir, cfg.target)`.
 
@@ -233,17 +236,19 @@ def evaluate(
     served: Served | None = {} if engine == "vllm" else None
     runs = Turns(target, subject, costs, cfg_eval, seed, served).run(questions)
     benchmarks = benchmarks_section(runs, subject.methods, questions, cfg_eval.temperature)
+    engine_curve = None
     if served is not None:
         try:
-            add_served(benchmarks, head_dir, target, target_cfg, served, dict(runs), subject.main, costs.k,
-                       cfg_eval.max_new_tokens, seed, log)
+            engine_curve = add_served(benchmarks, head_dir, target, target_cfg, served, dict(runs), subject.main,
+                                      costs.k, cfg_eval.max_new_tokens, seed, log, cfg_eval.batch_sizes,
+                                      sweep_new_tokens)
         except ServeError as e:
             raise EvalError(str(e)) from None
     speedup = speedup_section(runs[0][1], subject.main, costs)
     batch = _batch_sweep(target, subject, costs, questions, cfg_eval.batch_sizes, sweep_new_tokens, log,
                          sweep_repeats)
     report = assemble_report(target_cfg, head_dir, subject, costs, cfg_eval, target.device,
-                             benchmarks=benchmarks, speedup=speedup, batch=batch)
+                             benchmarks=benchmarks, speedup=speedup, batch=batch, vllm_concurrency=engine_curve)
     write_report(report, out_dir, config_yaml)
     return report
 
@@ -273,7 +278,8 @@ def _flags(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default without a GPU: 1, see the module doc; "
                    "0 = torch's own choice)")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
-                   help="vllm: also serve the exported head in vLLM and compare (the vllm extra; EAGLE-3)")
+                   help="vllm: also serve the exported head in vLLM, compare, and measure the engine's "
+                   "throughput at each --batch-sizes concurrency (the vllm extra; EAGLE-3, DFlash)")
     p.add_argument("--baselines", default=",".join(BASELINES),
                    help=f"comma-separated subset of {','.join(BASELINES)} (empty for none)")
 

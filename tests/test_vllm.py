@@ -6,7 +6,10 @@
 The `vllm` tests use the packaged SmolLM2-135M (vLLM's CPU attention kernels do not take the tiny targets'
 head size 16): a regeneration through vLLM SIGKILLed after its first chunk resumes to the same file as an
 uninterrupted run, and `eval.run --engine vllm` with an untrained EAGLE-3 head writes benchmarks.gsm8k.vllm
-(acceptance ~0 on both sides, so it checks the plumbing; a trained head's agreement is in the README).
+(acceptance ~0 on both sides, so it checks the plumbing; a trained head's agreement is in the README) and the
+engine's curve at concurrency 1 and 2 (vllm_concurrency, three engines: fixed k, plain, per-batch-size k).
+The default suite checks the curve's table, crossovers and per-batch-size choice, the served k of a DFlash
+export (block_size - 1), and the T > 0 engine-fault decision on planted counts.
 Extraction through vLLM (`features.engine=vllm`): a run SIGKILLed after its first shard resumes to the
 shards of an uninterrupted run (same sha256), `verify` passes and the report's numerics table agrees with
 transformers to float32 rounding; a tolerance no engine meets is refused with one line and exit 2 before any
@@ -26,7 +29,20 @@ from pathlib import Path
 import pytest
 from procs import finish, kill_when, start
 
-from eval.vllm_engine import ServeError, agreement, check_servable, served_counts, wilson
+from eval.report import concurrency_lines, served_lines
+from eval.vllm_engine import (
+    ServeError,
+    add_schedule_runs,
+    agreement,
+    batch_size_schedule,
+    check_servable,
+    concurrency_section,
+    per_batch_size_k,
+    served_counts,
+    served_k,
+    served_row,
+    wilson,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +89,101 @@ def test_what_vllm_does_not_serve_is_refused_before_the_eval(family, drafter, tr
         check_servable(family, drafter, tree)
 
 
+def _run_at(tokens: int, seconds: float, drafts: int = 0, per_pos: tuple[int, ...] = (0, 0)) -> dict:
+    """A worker's per-concurrency (or per-group) result, as vLLM's counter deltas give it."""
+    return {"tokens": tokens, "seconds": seconds, "metrics": {
+        "vllm:spec_decode_num_drafts": drafts, "vllm:spec_decode_num_accepted_tokens": sum(per_pos),
+        "vllm:spec_decode_num_accepted_tokens_per_pos": list(per_pos)}}
+
+
+def test_the_engine_curve_table_and_its_crossovers():
+    # plain 10, 20, 40, 80, 160 tok/s; the head 15, 24, 40, 64, 144: speedups 1.5, 1.2, 1.0 (not faster), 0.8, 0.9
+    sizes = [1, 2, 4, 8, 16]
+    plain = [_run_at(10 * c, 1.0) for c in sizes]
+    head = [_run_at(t, 1.0, drafts=100, per_pos=(40, 20)) for t in (15, 24, 40, 64, 144)]
+    table = concurrency_section(sizes, head, plain, 2)
+    assert [r["speedup"] for r in table["rows"]] == pytest.approx([1.5, 1.2, 1.0, 0.8, 0.9])
+    assert table["crossover"] == 4  # the first concurrency NOT faster: equal counts as not faster
+    assert table["rows"][0]["tau"] == pytest.approx(1.6) and table["rows"][0]["acceptance_per_position"] == [0.4, 0.5]
+    ks = per_batch_size_k([(r["concurrency"], r["speedup"], r["tau"]) for r in table["rows"]], 3)
+    assert ks == [3, 3, 0, 0, 0]
+    assert batch_size_schedule(sizes, ks) == [[1, 1, 3], [2, 3, 3], [4, 7, 0], [8, 15, 0], [16, 16, 0]]
+    # with the schedule: drafts at 1 and 2 as before, plain-like 40.5, 81, 161 tok/s (1.01x) above
+    add_schedule_runs(table, [head[0], head[1], _run_at(40.5, 1.0), _run_at(81, 1.0), _run_at(161.6, 1.0)], ks, 3)
+    assert [r["per_batch_k"] for r in table["rows"]] == ks and table["per_batch_crossover"] is None
+    assert table["rows"][2]["per_batch_tau"] == 1.0  # no drafts at k 0
+    table.update({"engine": "vllm 0.32.0", "device": "cpu", "method": "eagle3", "num_speculative_tokens": 3,
+                  "max_num_seqs": 16, "prompts": 2, "max_new_tokens": 16, "tokens_per_s": "end to end",
+                  "per_batch_size_schedule": batch_size_schedule(sizes, ks), "per_batch_size_rule": "rule",
+                  "per_batch_size_run": "its own engine"})
+    md = "\n".join(concurrency_lines(table))
+    assert "| 4 | 40.0 | 40.0 | 1.00x | 1.60 | 0 | 40.5 | 1.01x | 1.00 |" in md
+    assert "fixed k **4**, per-batch-size k **none in this range**" in md
+
+
+def test_the_per_batch_size_choice_follows_the_curve_and_starts_at_1():
+    # an unmeasured speedup (plain gave no tokens) is not a reason to draft, nor a "speedup" without acceptance
+    assert per_batch_size_k([(2, 1.3, 1.4), (4, None, 1.4), (8, 0.99, 1.4), (16, 1.4, 1.0)], 2) == [2, 0, 0, 0]
+    assert batch_size_schedule([2, 4, 8], [2, 0, 0]) == [[1, 3, 2], [4, 7, 0], [8, 8, 0]]
+    assert batch_size_schedule([1], [0]) == [[1, 1, 0]]
+
+
+class _Ours:
+    """The built-in decoder's GenerationStats, as far as served_row reads it."""
+
+    def __init__(self, accepted: list[int], judged: list[int]) -> None:
+        self.accepted_per_position, self.judged_per_position = accepted, judged
+        self.acceptance_rates = [a / j for a, j in zip(accepted, judged)]
+
+
+def test_a_sampled_disagreement_is_an_engine_fault_and_its_numbers_are_withheld():
+    ours = _Ours([82, 40], [200, 82])  # the built-in decoder: 0.41, 0.49 at T = 1 on these turns
+    plain = _run_at(100, 10.0) | {"temperature": 1.0}
+    # planted fault: vLLM's counts far below its own rule's (0.04 at position 1)
+    faulty = _run_at(120, 10.0, drafts=200, per_pos=(8, 1)) | {"temperature": 1.0}
+    row = served_row(faulty, plain, ours, 2, "cpu", "0.32.0")
+    assert row["engine_fault"].startswith("vLLM's sampled acceptance 0.04 at position 1 disagrees with its own "
+                                          "rule's 0.41 (built-in, same turns, T=1)")
+    assert "uninitialised memory" in row["engine_fault"]
+    assert row["acceptance_per_position"] is row["speedup"] is row["tokens_per_s"] is None
+    assert row["mean_acceptance_length"] is None and row["accepted_per_position"] == [8, 1]  # counts kept
+    md = "\n".join(served_lines({"gsm8k": {"vllm": {
+        "engine": "vllm 0.32.0", "device": "cpu", "method": "eagle3", "num_speculative_tokens": 2, "eval_k": 2,
+        "draft_sample_method": "probabilistic", "requests": "one at a time", "by_temperature": {"1": row}}}}))
+    assert "| 1 | withheld | 0.41 / 0.49 | - | - | 10.0 | - | ENGINE FAULT: vLLM's sampled acceptance 0.04" in md
+    # the greedy turns disagreeing too points at the export, still withheld
+    assert "suspect the export" in served_row(faulty, plain, ours, 2, "cpu", "0.32.0", greedy_agrees=False)[
+        "engine_fault"]
+    # agreeing counts: no fault, the numbers stand
+    fine = served_row(_run_at(120, 10.0, drafts=200, per_pos=(80, 38)) | {"temperature": 1.0}, plain, ours, 2,
+                      "cpu", "0.32.0")
+    assert "engine_fault" not in fine and fine["agreement"]["agrees"]
+    assert fine["speedup"] == pytest.approx(1.2) and fine["acceptance_per_position"] == [0.4, 38 / 80]
+    # greedy: the same disagreement is an export bug (warned by served_sections), not an engine fault
+    greedy = served_row(faulty | {"temperature": 0.0}, plain, ours, 2, "cpu", "0.32.0")
+    assert "engine_fault" not in greedy and not greedy["agreement"]["agrees"] and greedy["speedup"] == 1.2
+
+
+def test_the_served_k_is_the_exports_own_proposal(tiny_target, tmp_path):
+    # A DFlash head proposes block_size - 1 tokens whatever the eval's k; EAGLE-3 serves the eval's k.
+    import torch
+
+    from convert import export_head
+    from heads import registry
+    from heads.base import save_head
+    from heads.dflash import DFlashConfig
+    from heads.eagle import Eagle3Config
+
+    _, _, io = tiny_target
+    torch.manual_seed(0)
+    dcfg = DFlashConfig(layer_ids=[1, 2, 3], draft_vocab_size=200, block_size=4, num_layers=1, anchors=3)
+    native = save_head(tmp_path / "dflash", registry.get("dflash").build(dcfg, io), dcfg, io)
+    assert served_k(export_head(native, "speculators_dflash", tmp_path / "d-vllm", io, speculative_tokens=2), 2) == 3
+    ecfg = Eagle3Config(draft_vocab_size=200, ttt_length=1)
+    native = save_head(tmp_path / "eagle3", registry.get("eagle3").build(ecfg, io), ecfg, io)
+    assert served_k(export_head(native, "speculators", tmp_path / "e-vllm", io, speculative_tokens=2), 2) == 2
+
+
 # ----------------------------------------------------------------------------------------------- real vLLM
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
@@ -109,6 +220,7 @@ def test_vllm_regeneration_killed_after_a_chunk_resumes_to_the_uninterrupted_fil
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(1500)  # three vLLM engines (about 1-2 minutes each on 2 loaded cores) after the eval
 def test_eval_engine_vllm_writes_the_served_section(tmp_path):
     pytest.importorskip("vllm")
     import torch
@@ -124,18 +236,32 @@ def test_eval_engine_vllm_writes_the_served_section(tmp_path):
     cfg = Eagle3Config(draft_vocab_size=512, ttt_length=1)
     head = save_head(tmp_path / "head", registry.get("eagle3").build(cfg, io), cfg, io)
     r = _run([sys.executable, "-m", "eval.run", "--head", str(head), "--bench", "gsm8k", "--max-questions", "2",
-              "--max-new-tokens", "24", "--k", "2", "--temperature", "0,1", "--batch-sizes", "1",
+              "--max-new-tokens", "24", "--k", "2", "--temperature", "0,1", "--batch-sizes", "1,2",
               "--sweep-new-tokens", "4", "--baselines", "", "--engine", "vllm", "--out", str(tmp_path / "ev")],
-             timeout=900)
+             timeout=1400)
     assert r.returncode == 0, r.stdout[-4000:]
-    served = json.loads((tmp_path / "ev" / "report.json").read_text())["benchmarks"]["gsm8k"]["vllm"]
+    report = json.loads((tmp_path / "ev" / "report.json").read_text())
+    served = report["benchmarks"]["gsm8k"]["vllm"]
     greedy, sampled = served["by_temperature"]["0"], served["by_temperature"]["1"]
     assert served["num_speculative_tokens"] == 2 and served["engine"].startswith("vllm ")
     assert greedy["drafts"] > 0 and len(greedy["acceptance_per_position"]) == 2
     assert greedy["tested_per_position"][0] == greedy["drafts"]
     assert greedy["tokens_per_s"] > 0 and greedy["plain_tokens_per_s"] > 0
     assert greedy["agreement"]["compared"] and greedy["agreement"]["agrees"], greedy["agreement"]
-    assert not sampled["agreement"]["compared"]
+    # T = 1 is served with probabilistic drafts and compared; a disagreement is an engine fault, numbers withheld
+    assert served["draft_sample_method"] == "probabilistic" and sampled["agreement"]["compared"]
+    assert ("engine_fault" in sampled) == (not sampled["agreement"]["agrees"])
+    assert ("engine_fault" in sampled) == (sampled["speedup"] is None)
+    # the engine's curve at the eval's batch sizes: plain, fixed k, per-batch-size k (0 where the head lost)
+    curve = report["vllm_concurrency"]
+    assert curve["concurrency"] == [1, 2] and [r["concurrency"] for r in curve["rows"]] == [1, 2]
+    assert all(r["plain_tok_s"] > 0 and r["head_tok_s"] > 0 and r["per_batch_tok_s"] > 0 for r in curve["rows"])
+    assert [x[2] for x in curve["per_batch_size_schedule"]] == [r["per_batch_k"] for r in curve["rows"]]
+    assert curve["per_batch_size_schedule"][0][:2] == [1, 1]
+    # an untrained head (tau ~1) drafts nowhere under the schedule, served by its own engine at k 0
+    assert (curve["per_batch_size_run"] == "its own engine") == any(r["per_batch_k"] != 2 for r in curve["rows"])
+    md = (tmp_path / "ev" / "report.md").read_text()
+    assert "## vLLM throughput against concurrency" in md and "## Served by vLLM: gsm8k" in md
 
 
 # ------------------------------------------------------------------- extraction through vLLM (features.engine)
