@@ -175,6 +175,7 @@ def batched_generate(
     finish = {id(r): 0.0 for r in rows}
     passes, t0 = 0, time.perf_counter()
     while active:
+        tc = time.perf_counter()
         _draft_all(active, k, temperature, load)
         block, parents = _block(active, device)
         tv = time.perf_counter()
@@ -185,9 +186,10 @@ def batched_generate(
         if load is not None:
             load.observe(len(active), block.shape[1], time.perf_counter() - tv)
         passes += 1
-        keep = []
+        keep, emitted = [], 0
         for i, (r, v) in enumerate(zip(active, verdicts)):
             record_verdict(r.stats, r.policy, r.tree, v, None)
+            emitted += min(len(v.tokens), max_new_tokens - len(r.out))
             r.out.extend(v.tokens[:max_new_tokens - len(r.out)])
             if len(r.out) < max_new_tokens:
                 keep.append(i)
@@ -196,6 +198,8 @@ def batched_generate(
                     r.drafter.commit(v.accepted, _row_features(feats, i, cols), v.next_token)
             else:
                 finish[id(r)] = time.perf_counter() - t0
+        if load is not None:  # the whole pass, drafting and commits included: what the gate cannot price
+            load.observe_cycle(len(active), emitted, time.perf_counter() - tc)
         if len(keep) < len(active):
             kv.select(torch.tensor(keep, dtype=torch.long, device=device))
             active = [active[i] for i in keep]

@@ -366,14 +366,37 @@ class LoadAware:
     measured costs are noisy on a shared machine, and a predicted gain smaller than that noise is not worth
     risking a loss for). So drafting never buys a pass the cost surface says is slower than plain decoding,
     at any batch size. `gated` counts dropped drafts.
+
+    The model can be wrong where nothing it prices is measured: the heads' per-row drafting and commits, the
+    tree mask, Python bookkeeping per row. So every drafting pass is also timed whole (`observe_cycle`: draft,
+    verify, commits) and its realised tokens/s set against the rate the gate predicted for it; the running
+    ratio at that batch size (`realised`, an EMA, 1 before any drafting pass) scales every later drafting
+    score there. A batch size where drafting delivers less than predicted stops drafting once its realised
+    rate falls under plain's, whatever the surface says.
     """
 
-    def __init__(self, surface: Mapping[int, VerifyCost], margin: float = 1.05):
-        if not surface or margin < 1.0:
-            raise ValueError("LoadAware: need a non-empty cost surface and margin >= 1")
-        self.surface, self.margin = dict(surface), margin
+    def __init__(self, surface: Mapping[int, VerifyCost], margin: float = 1.05, decay: float = 0.7):
+        if not surface or margin < 1.0 or not 0.0 <= decay < 1.0:
+            raise ValueError("LoadAware: need a non-empty cost surface, margin >= 1 and decay in [0, 1)")
+        self.surface, self.margin, self.decay = dict(surface), margin, decay
         self.curves: dict[int, ScaledCurve] = {}
         self.gated = 0
+        self._realised: dict[int, tuple[float, float]] = {}  # batch -> (decayed sum of ratios, decayed count)
+        self._planned: tuple[int, float] | None = None  # the last drafting pass: (batch, predicted tokens/s)
+
+    def realised(self, batch: int) -> float:
+        """Realised over predicted tokens/s of this batch size's drafting passes so far (1.0 before any)."""
+        total, count = self._realised.get(batch, (0.0, 0.0))
+        return total / count if count else 1.0
+
+    def observe_cycle(self, batch: int, tokens: int, seconds: float) -> None:
+        """One whole pass (drafting, the verify forward, every row's commit) of `batch` rows that emitted
+        `tokens`; only a pass the gate let draft teaches `realised`."""
+        planned, self._planned = self._planned, None
+        if planned is None or planned[0] != batch or seconds <= 0:
+            return
+        total, count = self._realised.get(batch, (0.0, 0.0))
+        self._realised[batch] = (self.decay * total + tokens / seconds / planned[1], self.decay * count + 1.0)
 
     def curve(self, batch: int) -> ScaledCurve:
         """T(batch, n): the measured (or interpolated) shape at the load the run's passes show."""
@@ -397,14 +420,16 @@ class LoadAware:
             choices.append(c)
             plans.append(policy.expected(c))
         best_w, best = 0, self.margin * b / curve(1)
+        realised, predicted = self.realised(b), 0.0
         for w in sorted({n for _, _, n in plans if n}):
             kept = [p for p in plans if p[2] <= w]
             e = sum(p[0] for p in kept) + (b - len(kept))
             score = e / (sum(p[1] for p in kept) + curve(1 + w))
-            if score > best * (1 + 1e-9):
-                best_w, best = w, score
+            if realised * score > best * (1 + 1e-9):
+                best_w, best, predicted = w, realised * score, score
         for i, (_, _, n) in enumerate(plans):
             if n > best_w:
                 choices[i] = dict.fromkeys(choices[i], 0)
                 self.gated += 1
+        self._planned = (b, predicted) if best_w else None
         return choices

@@ -221,6 +221,11 @@ MUTANTS: list[Mutant] = [
            "        verdicts = [type(v)(v.accepted[:m - 1], v.tokens[m - 1], v.path[:m], v.tokens[:m]) for v in verdicts]\n"
            "        kv.keep_rows([v.path for v in verdicts])",
            ("tests/test_batch.py", "-k", "own_accepted_length"), quick=True),
+    # the load-aware gate trusts its cost model: drafting passes that deliver less than priced keep drafting
+    Mutant("load_aware_ignores_realised_rate", "eval/policy.py",
+           "            if realised * score > best * (1 + 1e-9):",
+           "            if score > best * (1 + 1e-9):",
+           ("tests/test_batch.py", "-k", "deliver_less or slower_than_priced")),
     Mutant("ragged_keep_leaks_a_rejected_slot", "data/kvcache.py",
            "            kept[r, :len(p)] = 1",
            "            kept[r, :len(p) + 1] = 1",

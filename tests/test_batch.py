@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,45 @@ def test_load_aware_batch_drafts_on_a_flat_surface(tiny_target):
                             make_policy=_policy, load=LoadAware(_surface(0.0)))
     assert torch.equal(spec.tokens, plain.tokens)
     assert spec.tau > 2.0
+
+
+def test_load_aware_stops_drafting_where_drafting_passes_deliver_less_than_plain():
+    """The gate's prices leave out what it cannot measure (a head's drafting, commits, bookkeeping): a drafting
+    pass timed whole at a tenth of the predicted rate turns that batch size's drafting off, others untouched."""
+    load = LoadAware(_surface(0.0))
+    rows = [(object(), _policy()) for _ in range(4)]
+    assert all(c["draft"] > 0 for c in load.choose(rows, [8] * 4)) and load.realised(4) == 1.0
+    predicted = load._planned[1]
+    load.observe_cycle(4, 12, 12 / (predicted / 10))  # 12 tokens at a tenth of the predicted tokens/s
+    assert load.realised(4) == pytest.approx(0.1)
+    assert all(c["draft"] == 0 for c in load.choose(rows, [8] * 4))
+    load.observe_cycle(4, 4, 0.2)  # a plain pass teaches nothing
+    assert load.realised(4) == pytest.approx(0.1)
+    assert all(c["draft"] > 0 for c in load.choose([(object(), _policy()) for _ in range(16)], [8] * 16))
+
+
+class Slow(Counting):
+    """Counting, with 100 ms of drafting per call that no cost model knows of."""
+
+    def draft(self, k, temperature):
+        time.sleep(0.1)
+        return super().draft(k, temperature)
+
+
+def test_load_aware_batch_turns_off_a_drafter_slower_than_priced(tiny_target):
+    """On a flat surface with near-free drafting priced in, a perfect drafter that costs 100 ms a call drafts
+    for a pass or two, then the realised rate gates it off; outputs unchanged."""
+    model, tok, io = tiny_target
+    prompts = _prompts(tok, 2)
+    n = 24
+    plain, refs = _refs(model, tok, prompts, n)
+    Counting.calls = 0
+    spec = batched_generate(model, prompts, n, tok.pad_token_id, k=3,
+                            make_drafter=lambda: DeferredSync(Slow(refs, 0.0, 0, io.vocab_size, full=True)),
+                            make_policy=_policy, load=LoadAware(_surface(0.0)))
+    assert torch.equal(spec.tokens, plain.tokens)
+    # ungated, the perfect drafter would draft every pass: about 2 rows x 24 / 4 = 12 calls
+    assert spec.stats.drafted_tokens > 0 and 0 < Counting.calls <= 2 * len(prompts)
 
 
 def test_sweep_report_shape_and_crossover(tiny_target):
