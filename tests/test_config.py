@@ -15,9 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_loads(path: Path) -> None:
+    from data.prompts import check_prompts_config
+
     cfg = load_config(path)
     assert isinstance(cfg, RunConfig)
     assert cfg.head.family in registry.names()
+    check_prompts_config(cfg.prompts)  # what data.prompts refuses before writing (context domains included)
 
 
 def test_unknown_key_names_key_and_file(tmp_path: Path) -> None:
