@@ -234,7 +234,7 @@ class FeaturesConfig:
     batch_tokens: Count = 8192  # tokens per target forward during extraction
     verify_on_read: Bool = True  # offline: hash each shard once when first read (names a corrupted shard)
     # python -m data.extract: transformers (a forward with hooks) or vllm (vLLM's extract_hidden_states, the
-    # `vllm` extra; data/vllm_capture.py): the same store either way. Offline only.
+    # `vllm` extra; data/vllm_capture.py): the same store either way; features.mode online: the same batches.
     engine: Literal["transformers", "vllm"] = "transformers"
     vllm_tensor_parallel_size: Count = 1  # vllm: GPUs one copy of the target is split over (vLLM's own flag)
     vllm_memory: Float | None = None  # vllm: gpu_memory_utilization (CPU: share of host memory); null = 0.9 GPU, 0.3 CPU

@@ -373,26 +373,17 @@ def vllm_source(cfg: RunConfig, model: nn.Module, data: dict[str, datasets.Datas
     on features.vllm_check_samples sequences (refused above features.vllm_check_tolerance, the table written
     into the extraction report either way); returns (the VllmCapture, the numerics table, the source)."""
     # optional engine: imported only when asked for (the project never needs vLLM)
-    from data.vllm_capture import NumericsError, VllmCapture, check_numerics, feature_source
+    from data.vllm_capture import NumericsError, feature_source, start_checked
 
-    tc = text_config(model.config)
     lengths = [n for d in data.values() for n in (d["length"] if len(d) else [])]
-    capture = VllmCapture(cfg.target, head_layer_ids(cfg, tc), tc.num_hidden_layers,
-                          root / f".vllm-spool-r{rank:04d}of{world:04d}",
-                          tensor_parallel_size=cfg.features.vllm_tensor_parallel_size, memory=cfg.features.vllm_memory,
-                          max_model_len=max(lengths, default=1) + 1)
     pool = data["train"] if len(data["train"]) else data["holdout"]
-    k = min(cfg.features.vllm_check_samples, len(pool))
-    picks = [round(j * (len(pool) - 1) / max(1, k - 1)) for j in range(k)]  # spread over the split
     try:
-        numerics = check_numerics(model, capture, [pool[i]["input_ids"] for i in picks],
-                                  cfg.features.vllm_check_tolerance)
+        capture, numerics = start_checked(cfg, model, head_layer_ids(cfg, text_config(model.config)),
+                                          pool, root / f".vllm-spool-r{rank:04d}of{world:04d}",
+                                          max(lengths, default=1) + 1)
     except NumericsError as e:
         write_report(root, {"engine": "vllm", "rank": rank, "world": world, "numerics": e.report, "refused": str(e)})
         raise
-    print(f"vLLM against transformers on {k} sequences: worst mean relative difference "
-          f"{max(r['rel'] for r in numerics['layers']):.3g} (tolerance {cfg.features.vllm_check_tolerance:g}), "
-          f"argmax agreement {numerics['argmax_agreement']:.4f}", file=sys.stderr)
     return capture, numerics, feature_source(model, capture)
 
 

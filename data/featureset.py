@@ -19,17 +19,22 @@ cfg.features.mode picks the source:
            too when no model is given), other layer ids, or other tokenized data (fingerprint, sample count
            or any sample's length).
   online   runs the frozen target over the padded batch (data.features.forward_features, no logits) on
-           the target's device and leaves `last`/`aux` there; nothing touches the disk.
+           the target's device and leaves `last`/`aux` there; nothing touches the disk. With
+           features.engine vllm the batch's rows go through vLLM's capture instead (data/vllm_capture.py:
+           `online_capture` starts one engine per training process, checked against transformers first;
+           `last` and the argmax come from the transformers target's own final norm and lm_head).
 A test checks both modes give identical tensors on the tiny target (store in float32).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import datasets
 import torch
 from torch import nn
 
-from data.config import ConfigError, RunConfig
+from data.config import RunConfig
 from data.features import forward_features, greedy_ids
 from data.store import StoreMismatchError, StoreReader, store_root
 from heads.base import TargetIO, check_target
@@ -39,11 +44,13 @@ class FeatureSet:
     """Samples of one tokenized split with their target features; see the module docstring."""
 
     def __init__(self, dataset: datasets.Dataset, layer_ids: list[int], pad_id: int = 0,
-                 reader: StoreReader | None = None, target_model: nn.Module | None = None, with_argmax: bool = True):
+                 reader: StoreReader | None = None, target_model: nn.Module | None = None, with_argmax: bool = True,
+                 capture: Any = None):
         if (reader is None) == (target_model is None):
             raise ValueError("FeatureSet needs exactly one source: a store reader or a target model")
         self.dataset, self.layer_ids, self.pad_id = dataset, list(layer_ids), pad_id
         self.reader, self.target_model, self.with_argmax = reader, target_model, with_argmax
+        self.capture = capture  # a data.vllm_capture.VllmCapture: online features from vLLM
         self.mode = "offline" if reader is not None else "online"
         self.lengths: list[int] = list(dataset["length"]) if len(dataset) else []
 
@@ -71,6 +78,8 @@ class FeatureSet:
                     argmax[j, :n] = self.reader.target_argmax(int(i))
                 if aux is not None:
                     aux[j, :n] = s_aux.float()
+        elif self.capture is not None:
+            last, aux, argmax = self._from_engine(rows["input_ids"], att)
         else:
             device = next(self.target_model.parameters()).device
             feats, _ = forward_features(self.target_model, out["input_ids"].to(device), att.to(device), self.layer_ids)
@@ -87,6 +96,49 @@ class FeatureSet:
         if aux is not None:
             out["aux"] = aux
         return out
+
+    def _from_engine(self, rows: list[list[int]], att: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """last, aux, argmax of the batch from vLLM's capture, laid out (right padded, zero there) as above."""
+        from data.vllm_capture import vllm_features
+
+        packed, top = vllm_features(self.target_model, self.capture, rows)  # samples one after another
+        b, t = att.shape
+        h = packed.shape[-1] // (1 + len(self.layer_ids))
+        last = packed.new_zeros(b, t, h, dtype=torch.float32)
+        aux = packed.new_zeros(b, t, packed.shape[-1] - h, dtype=torch.float32) if self.layer_ids else None
+        argmax = torch.zeros(b, t, dtype=torch.long, device=packed.device) if self.with_argmax else None
+        at = 0
+        for j, ids in enumerate(rows):
+            n = len(ids)
+            last[j, :n] = packed[at:at + n, :h].float()
+            if aux is not None:
+                aux[j, :n] = packed[at:at + n, h:].float()
+            if argmax is not None:
+                argmax[j, :n] = top[at:at + n].long()
+            at += n
+        return last, aux, argmax
+
+
+def online_capture(cfg: RunConfig, target_model: nn.Module | None, layer_ids: list[int], pool: datasets.Dataset,
+                   rank: int = 0) -> Any:
+    """The vLLM capture an online run with features.engine vllm draws its features from (None otherwise): one
+    engine in this training process (tensor parallel from features.vllm_tensor_parallel_size), its spool in
+    OUT/.vllm-spool-online-rRRRR, checked against transformers on a few samples of `pool` first (NumericsError,
+    one line naming features.vllm_check_tolerance, above it)."""
+    if cfg.features.mode != "online" or cfg.features.engine != "vllm":
+        return None
+    if target_model is None:
+        raise ValueError("features.mode=online needs the target model (it computes the features)")
+    from pathlib import Path
+
+    # optional engine: imported only when asked for (the project never needs vLLM)
+    from data.vllm_capture import start_checked
+
+    longest = max(pool["length"], default=1) if len(pool) else 1
+    capture, _ = start_checked(cfg, target_model, layer_ids, pool, Path(cfg.out) / f".vllm-spool-online-r{rank:04d}",
+                               cfg.data.max_length + 1 if cfg.data.max_length else longest + 1)
+    return capture
 
 
 def _check_store(reader: StoreReader, cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.Module | None,
@@ -128,22 +180,20 @@ def _check_store(reader: StoreReader, cfg: RunConfig, dataset: datasets.Dataset,
 
 def open_featureset(cfg: RunConfig, dataset: datasets.Dataset, target_model: nn.Module | None, layer_ids: list[int],
                     split_name: str, pad_id: int = 0, target: TargetIO | None = None,
-                    with_argmax: bool = True) -> FeatureSet:
+                    with_argmax: bool = True, capture: Any = None) -> FeatureSet:
     """A FeatureSet over `dataset` in cfg.features.mode (see the module docstring for the checks).
 
     `target`: the loaded target's TargetIO when no model is given (offline training passes it), so a
-    store of other weights under the same name and shapes is refused by its fingerprint."""
+    store of other weights under the same name and shapes is refused by its fingerprint. `capture`: the
+    run's online_capture (online with features.engine vllm; one engine serves every split)."""
     mode = cfg.features.mode
     if mode == "online":
-        if cfg.features.engine != "transformers":
-            # vLLM would be a second copy of the target in every training process: the stream stays on
-            # transformers, the store is where vLLM's speed pays (python -m data.extract).
-            raise ConfigError(f"features.engine '{cfg.features.engine}' is for the offline store (python -m "
-                              "data.extract); features.mode=online computes features with transformers: set "
-                              "features.engine=transformers or features.mode=offline")
         if target_model is None:
             raise ValueError("features.mode=online needs the target model (it computes the features)")
-        return FeatureSet(dataset, layer_ids, pad_id, target_model=target_model, with_argmax=with_argmax)
+        if cfg.features.engine == "vllm" and capture is None:
+            raise ValueError("features.engine=vllm online needs the run's capture (data.featureset.online_capture)")
+        return FeatureSet(dataset, layer_ids, pad_id, target_model=target_model, with_argmax=with_argmax,
+                          capture=capture)
     reader = StoreReader(store_root(cfg) / split_name, verify_checksums=cfg.features.verify_on_read)
     _check_store(reader, cfg, dataset, target_model, layer_ids, target)
     return FeatureSet(dataset, layer_ids, pad_id, reader=reader, with_argmax=with_argmax)

@@ -24,6 +24,7 @@ Nothing here imports vLLM until a VllmCapture is built (data.vllm_engine.require
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -122,6 +123,28 @@ def vllm_features(model: nn.Module, capture: VllmCapture, rows: Sequence[Sequenc
 def feature_source(model: nn.Module, capture: VllmCapture) -> Callable[[dict], tuple[torch.Tensor, torch.Tensor]]:
     """data.extract's feature source for vLLM: dataset rows -> (packed features, argmax)."""
     return lambda rows: vllm_features(model, capture, rows["input_ids"])
+
+
+def start_checked(cfg: Any, model: nn.Module, layer_ids: Sequence[int], pool: Any, spool: Path,
+                  max_model_len: int) -> tuple[VllmCapture, dict[str, Any]]:
+    """vLLM started with the capture (cfg: the run config's target and features sections) and checked against
+    transformers on features.vllm_check_samples samples spread over `pool` (a tokenized datasets.Dataset):
+    (the capture, the numerics table).
+    Raises NumericsError above features.vllm_check_tolerance (data.extract writes its report first)."""
+    from data.target import text_config
+
+    tc = text_config(model.config)
+    capture = VllmCapture(cfg.target, layer_ids, tc.num_hidden_layers, spool,
+                          tensor_parallel_size=cfg.features.vllm_tensor_parallel_size,
+                          memory=cfg.features.vllm_memory, max_model_len=max_model_len)
+    k = min(cfg.features.vllm_check_samples, len(pool))
+    picks = [round(j * (len(pool) - 1) / max(1, k - 1)) for j in range(k)]  # spread over the rows
+    numerics = check_numerics(model, capture, [pool[i]["input_ids"] for i in picks],
+                              cfg.features.vllm_check_tolerance)
+    print(f"vLLM against transformers on {k} sequences: worst mean relative difference "
+          f"{max(r['rel'] for r in numerics['layers']):.3g} (tolerance {cfg.features.vllm_check_tolerance:g}), "
+          f"argmax agreement {numerics['argmax_agreement']:.4f}", file=sys.stderr)
+    return capture, numerics
 
 
 def _compare(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:

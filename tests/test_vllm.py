@@ -349,3 +349,25 @@ def test_the_numerics_check_refuses_a_wrong_layer_index(tmp_path):
     r = _run([sys.executable, str(script), str(tmp_path / "spool")], timeout=600)
     assert r.returncode == 3 and "REFUSED features.vllm_check_tolerance: vLLM's capture of layer" in r.stdout, \
         r.stdout[-3000:]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)
+def test_online_training_through_vllm_follows_the_transformers_stream(tmp_path):
+    """features.mode online with features.engine vllm: the training process starts its own engine (numerics
+    checked first) and its first steps' losses are the transformers stream's to float32 rounding."""
+    pytest.importorskip("vllm")
+    train = [sys.executable, "train/eagle.py", "--config", "configs/smollm2-135m.yaml",
+             "--data.path=data/bundled/tiny_conversations.jsonl", "--data.max_samples=12", "--data.holdout_fraction=0",
+             "--features.mode=online", "--train.max_steps=3", "--train.batch_size=4", "--train.log_every=1",
+             "--train.eval_every=1000", "--train.checkpoint_every=1000", "--logging.wandb_mode=disabled",
+             "--features.vllm_check_samples=2"]
+    losses = {}
+    for engine in ("transformers", "vllm"):
+        r = _run([*train, f"--features.engine={engine}", "--out", str(tmp_path / engine)], timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / engine / "metrics.jsonl").read_text().splitlines()]
+        losses[engine] = [row["loss"] for row in rows if row.get("event") == "train"]
+    assert "vLLM against transformers on 2 sequences" in r.stdout
+    assert len(losses["vllm"]) == len(losses["transformers"]) == 3
+    assert losses["vllm"] == pytest.approx(losses["transformers"], rel=1e-3), losses

@@ -7,7 +7,7 @@ A stand-in for data.vllm_capture.VllmCapture hands over what vLLM's `extract_hid
 norm), computed with transformers. Checked: data.vllm_capture.vllm_features packs rows, `last` and the argmax
 exactly like data.extract's transformers source; check_numerics passes the right capture and refuses a wrong
 layer index and an engine that hands the last layer already normed (our norm would apply twice); the online
-stream refuses features.engine vllm; scripts/slurm/extract.sbatch's vLLM form (run with a stand-in for python
+stream through vLLM gives the transformers stream's batches; scripts/slurm/extract.sbatch's vLLM form (run with a stand-in for python
 that prints the commands) starts G / TP processes, each on its own TP GPUs and its own rank slice of the array.
 The real engine is in tests/test_vllm.py (`-m vllm`).
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.config import ConfigError, load_config
+from data.config import load_config
 from data.extract import transformers_source
 from data.featureset import open_featureset
 from data.target import final_norm
@@ -98,10 +98,25 @@ def test_check_numerics_passes_the_right_capture_and_refuses_a_wrong_index_or_a_
     assert e.value.report["layers"][1]["rel"] < 1e-5  # the other layers were right: only `last` is named
 
 
-def test_the_online_stream_refuses_engine_vllm(tiny_target):
+def test_the_online_stream_through_vllm_gives_the_transformers_streams_batches(tiny_target):
+    """features.mode online with engine vllm: FeatureSet batches from the capture (right padded, zero there, the
+    argmax from our lm_head) equal the transformers stream's; the engine's capture is required."""
+    model, tok, _ = tiny_target
+    ds = tokenize_records([{"id": f"c{i}", "messages": [{"role": "user", "content": "question " * (2 + 3 * i)},
+                                                        {"role": "assistant", "content": "answer " * (1 + i)}]}
+                           for i in range(3)], tok, 256)
     cfg = load_config(None, ["--features.mode=online", "--features.engine=vllm"])
-    with pytest.raises(ConfigError, match="features.engine 'vllm' is for the offline store"):
-        open_featureset(cfg, None, tiny_target[0], LAYERS, "train")
+    with pytest.raises(ValueError, match="online needs the run's capture"):
+        open_featureset(cfg, ds, model, LAYERS, "train")
+    engine = open_featureset(cfg, ds, model, LAYERS, "train", tok.pad_token_id, capture=FakeCapture(model, LAYERS))
+    plain = open_featureset(load_config(None, ["--features.mode=online"]), ds, model, LAYERS, "train",
+                            tok.pad_token_id)
+    got, want = engine.batch([2, 0, 1]), plain.batch([2, 0, 1])  # ragged lengths, longest first
+    assert got.keys() == want.keys() >= {"last", "aux", "target_argmax", "attention_mask"}
+    for key in ("last", "aux"):
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got["target_argmax"], want["target_argmax"])
+    assert (got["last"][1, int(got["attention_mask"][1].sum()):] == 0).all()  # padding zero, as the store's
 
 
 def test_extract_sbatch_runs_one_vllm_process_per_tp_group_of_the_node(tmp_path):

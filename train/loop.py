@@ -65,7 +65,7 @@ from tqdm import tqdm
 
 from data.cli import cli_main, write_atomic
 from data.config import RunConfig, check_layer_ids, parse_args, save_config, to_dict
-from data.featureset import FeatureSet, open_featureset
+from data.featureset import FeatureSet, online_capture, open_featureset
 from data.target import load_config_only, text_config
 from data.tokenize import build_datasets
 from eval.run import evaluate
@@ -271,10 +271,11 @@ def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run
     layer_ids = list(family.feature_layers(cfg.head, frozen.io.config))
     pad_id = frozen.tokenizer.pad_token_id if frozen.tokenizer.pad_token_id is not None else 0
     argmax = TARGET_ARGMAX in family.reads(cfg.head)
+    capture = online_capture(cfg, frozen.model, layer_ids, train_ds, accelerator.process_index)
     train_fs = open_featureset(cfg, train_ds, frozen.model, layer_ids, "train", pad_id, target=frozen.io,
-                               with_argmax=argmax)
+                               with_argmax=argmax, capture=capture)
     hold_fs = open_featureset(cfg, hold_ds, frozen.model, layer_ids, "holdout", pad_id, target=frozen.io,
-                              with_argmax=argmax) if len(hold_ds) else None
+                              with_argmax=argmax, capture=capture) if len(hold_ds) else None
     if cfg.train.keep_best and hold_fs is None:
         raise TrainError("train.keep_best: no held-out conversations to pick the best head by "
                          "(raise data.holdout_fraction)")
