@@ -135,9 +135,9 @@ def online_capture(cfg: RunConfig, target_model: nn.Module | None, layer_ids: li
     # optional engine: imported only when asked for (the project never needs vLLM)
     from data.vllm_capture import start_checked
 
-    longest = max(pool["length"], default=1) if len(pool) else 1
+    longest = cfg.data.max_length or max(pool["length"], default=1)
     capture, _ = start_checked(cfg, target_model, layer_ids, pool, Path(cfg.out) / f".vllm-spool-online-r{rank:04d}",
-                               cfg.data.max_length + 1 if cfg.data.max_length else longest + 1)
+                               longest + 1)
     return capture
 
 

@@ -137,7 +137,8 @@ def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> t
             with torch.no_grad():
                 teacher = target.lm_head(teacher_in.to(target.lm_head.weight.dtype)).float().log_softmax(-1)
             # forward_kl is KL(p || q) here (the soft CE less p's entropy), as it always was; kl_tv mixes that KL
-            head_loss = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="batchmean")
+            if cfg.loss != "tv":
+                head_loss = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="batchmean")
             if cfg.loss != "forward_kl":
                 n = logits.shape[0]
                 tv = token_loss(logits, teacher.exp(), torch.ones(n, device=logits.device), n, "tv")
