@@ -37,8 +37,9 @@ here goes through `cache_kwarg`.
 
 from __future__ import annotations
 
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -444,3 +445,15 @@ def new_kv(model: nn.Module, kind: str | KVCache, capture: Sequence[int] | None 
     if kind == "static":
         return StaticKV(model, room, capture, graphs)
     raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {kind!r}")
+
+
+def timed_pass(kv: KVCache, ids: torch.Tensor, sync: Callable[[], None] = lambda: None) -> float:
+    """Seconds of one target forward over `ids` on the cache, which then drops the pass again (eval.costs
+    and data.packed time their passes with it; `sync` waits for a GPU)."""
+    sync()
+    t = time.perf_counter()
+    kv.run(ids)
+    sync()
+    dt = time.perf_counter() - t
+    kv.keep([])
+    return dt

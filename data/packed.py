@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -136,7 +135,7 @@ def _time_passes(model: nn.Module, rows: tuple[int, ...], context: int, repeats:
     Round-robin over kernels and widths so drift in the machine's load hits every cell alike; all logits are
     computed, as a verify pass does; every pass is cropped away again so each sees the same context."""
     # here, not at the top: data.kvcache imports data.target, which imports this module
-    from data.kvcache import new_kv
+    from data.kvcache import new_kv, timed_pass
 
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -151,10 +150,7 @@ def _time_passes(model: nn.Module, rows: tuple[int, ...], context: int, repeats:
             for layer in layers:
                 layer.active = kind == "packed"
             for n in rows:
-                t = time.perf_counter()
-                kv.run(ids[:, :n])
-                dt = time.perf_counter() - t
-                kv.keep([])
+                dt = timed_pass(kv, ids[:, :n])
                 if r:
                     times.setdefault((kind, n), []).append(dt)
     for layer in layers:

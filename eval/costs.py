@@ -23,14 +23,13 @@ per-pass choice, is E * T(1) / time through the one `speedup` function.
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from data.kvcache import DynamicKV, KVCache, new_kv
+from data.kvcache import DynamicKV, new_kv, timed_pass
 from eval.decoder import GenerationStats, speculative_generate
 from heads.base import Drafter
 
@@ -114,22 +113,11 @@ def measure_verify_cost(
         ids = torch.randint(vocab, (1, k), generator=g)
         times = []
         for r in range(repeats + 1):
-            dt = _timed_pass(kv, ids, sync)
+            dt = timed_pass(kv, ids, sync)
             if r:  # the first run warms up
                 times.append(dt)
         out[int(k)] = statistics.median(times)
     return VerifyCost(seconds=out, context_len=context_len)
-
-
-def _timed_pass(kv: KVCache, ids: torch.Tensor, sync: Callable[[], None]) -> float:
-    """Seconds of one target forward over `ids` on the cache, which then drops the pass again."""
-    sync()
-    t = time.perf_counter()
-    kv.run(ids)
-    sync()
-    dt = time.perf_counter() - t
-    kv.keep([])
-    return dt
 
 
 @torch.no_grad()
@@ -163,7 +151,7 @@ def measure_cost_surface(
         times: dict[int, list[float]] = {n: [] for n in blocks}
         for r in range(repeats + 1):
             for n, ids in blocks.items():
-                dt = _timed_pass(kv, ids, sync)
+                dt = timed_pass(kv, ids, sync)
                 if r:  # round 0 warms up
                     times[n].append(dt)
         surface[int(b)] = VerifyCost({n: statistics.median(ts) for n, ts in times.items()}, context_len=context_len)
