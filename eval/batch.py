@@ -60,7 +60,8 @@ _EMPTY = DraftTree.chain(torch.empty(0, dtype=torch.long))  # a row that drafts 
 @dataclass
 class BatchResult:
     """One batched generation: tokens [B, max_new_tokens], batch passes, decode seconds (prefill excluded),
-    the rows' merged stats and each row's finish time (seconds after decoding started)."""
+    the rows' merged stats, each row's finish time (seconds after decoding started) and the decode seconds
+    spent inside the target's forward (the rest is drafting and per-row bookkeeping: scripts/bench_batch.py)."""
 
     tokens: torch.Tensor
     passes: int
@@ -68,6 +69,7 @@ class BatchResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_s: list[float] = field(default_factory=list)
     row_stats: list[GenerationStats] = field(default_factory=list)
+    forward_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -98,7 +100,7 @@ class _Row:
     tree: DraftTree | None = None
 
 
-def _row_features(feats: Features | None, r: int, cols: torch.Tensor) -> Features | None:
+def _row_features(feats: Features | None, r: int, cols: torch.Tensor | slice) -> Features | None:
     """Row r's features at columns `cols` of the last pass ([1, len(cols), ...], the decoder's layout)."""
     if feats is None:
         return None
@@ -173,13 +175,14 @@ def batched_generate(
     _begin(rows, kv, ids, mask, sampling)
     active = [r for r in rows if len(r.out) < max_new_tokens]
     finish = {id(r): 0.0 for r in rows}
-    passes, t0 = 0, time.perf_counter()
+    passes, forward_s, t0 = 0, 0.0, time.perf_counter()
     while active:
         tc = time.perf_counter()
         _draft_all(active, k, temperature, load)
         block, parents = _block(active, device)
         tv = time.perf_counter()
         logits, feats = kv.run(block, parents)
+        forward_s += time.perf_counter() - tv
         verdicts = [judge(r.tree, logits[i, :len(r.tree) + 1], generator=r.generator, **sampling)
                     for i, r in enumerate(active)]
         kv.keep_rows([v.path for v in verdicts])
@@ -194,7 +197,10 @@ def batched_generate(
             if len(r.out) < max_new_tokens:
                 keep.append(i)
                 if r.drafter is not None:
-                    cols = torch.tensor(v.path, device=logits.device)
+                    # A chain's path is a prefix of the pass's columns: a view (this pass's features are never
+                    # written again: DynamicKV allocates every forward), no index copy per row.
+                    n = len(v.path)
+                    cols = slice(0, n) if v.path == list(range(n)) else torch.tensor(v.path, device=logits.device)
                     r.drafter.commit(v.accepted, _row_features(feats, i, cols), v.next_token)
             else:
                 finish[id(r)] = time.perf_counter() - t0
@@ -209,7 +215,8 @@ def batched_generate(
         r.stats.new_tokens = len(r.out)
         stats = stats.merge(r.stats)
     tokens = torch.tensor([r.out for r in rows], dtype=torch.long)
-    return BatchResult(tokens, passes, decode_s, stats, [finish[id(r)] for r in rows], [r.stats for r in rows])
+    return BatchResult(tokens, passes, decode_s, stats, [finish[id(r)] for r in rows], [r.stats for r in rows],
+                       forward_s)
 
 
 def _draft_all(active: list[_Row], k: int, temperature: float, load: LoadAware | None) -> None:

@@ -383,6 +383,7 @@ class LoadAware:
         self.gated = 0
         self._realised: dict[int, tuple[float, float]] = {}  # batch -> (decayed sum of ratios, decayed count)
         self._planned: tuple[int, float] | None = None  # the last drafting pass: (batch, predicted tokens/s)
+        self._shares: dict[int, RowShare] = {}  # one per batch size, so each policy's T(n) memo survives passes
 
     def realised(self, batch: int) -> float:
         """Realised over predicted tokens/s of this batch size's drafting passes so far (1.0 before any)."""
@@ -408,14 +409,47 @@ class LoadAware:
         """One timed batch pass: `batch` rows of n tokens each (root, nodes, fillers)."""
         self.curve(batch).observe(n, seconds)
 
+    def cannot_pay(self, rows: Sequence[tuple[Any, AdaptivePolicy]], budgets: Sequence[int]) -> bool:
+        """True when no choice the rows' policies could make would pass the gate this pass, from an upper bound
+        on every width's score: a row drafting at most w nodes reaches depth <= min(w, its cap), and at depth d
+        adds at most min(1, sum_s P_s(d)) expected tokens (1 - prod_s (1 - P_s(d)) <= sum_s P_s(d)), while the
+        pass costs at least T(B, 1 + w) (drafting time >= 0). So
+            score(w) <= (B + sum_r G_r(min(w, cap_r))) / T(B, 1 + w),   G_r(m) = sum_{d <= m} min(1, sum_s P_s(d)),
+        and when realised * that bound is not above plain's margin * B / T(B, 1) for any w up to the largest
+        cap, the gate would drop every draft: `choose` then skips the per-row pricing (eval.policy's
+        best_lengths over up to 81 candidates a row, the n-gram's lookups), which at batch 16 cost 6 ms of a
+        150 ms pass on the 2-core CPU (scripts/bench_batch.py), and the pass is plain."""
+        b = len(rows)
+        curve, realised = self.curve(b), self.realised(b)
+        best = self.margin * b / curve(1)
+        caps = [max(min(budget, policy.k_max), 0) for (_, policy), budget in zip(rows, budgets)]
+        top = max(caps, default=0)
+        gain = [0.0] * (top + 1)  # gain[m] = sum over rows of G_r(min(m, cap_r))
+        for (_, policy), cap in zip(rows, caps):
+            per_depth = [0.0] * cap
+            for s in policy.prior:
+                for d, reach in enumerate(itertools.accumulate(policy.rates(s)[:cap], lambda x, y: x * y)):
+                    per_depth[d] += reach
+            g = list(itertools.accumulate(min(1.0, x) for x in per_depth))
+            for m in range(1, top + 1):
+                gain[m] += g[min(m, cap) - 1] if cap else 0.0
+        return all(realised * (b + gain[w]) / curve(1 + w) <= best * (1 + 1e-9) for w in range(1, top + 1))
+
     def choose(self, rows: Sequence[tuple[Any, AdaptivePolicy]], budgets: Sequence[int]) -> list[dict[str, int]]:
-        """This pass's lengths per row (rows: (drafter, policy) pairs; budgets: each row's draft cap)."""
+        """This pass's lengths per row (rows: (drafter, policy) pairs; budgets: each row's draft cap). When
+        `cannot_pay`, every row gets zeros and no policy is consulted (its re-probe counters wait too)."""
         b = len(rows)
         curve = self.curve(b)
-        share = RowShare(curve, b)
+        self._planned = None
+        if self.cannot_pay(rows, budgets):
+            return [dict.fromkeys(getattr(drafter, "SOURCES", ("draft",)), 0) for drafter, _ in rows]
+        share = self._shares.get(b)
+        if share is None or share.learned is not curve:
+            share = self._shares[b] = RowShare(curve, b)
         choices, plans = [], []
         for (drafter, policy), budget in zip(rows, budgets):
-            policy.use_verify(share)
+            if policy.verify is not share:
+                policy.use_verify(share)
             c = policy.choose(drafter, budget)
             choices.append(c)
             plans.append(policy.expected(c))

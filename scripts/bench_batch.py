@@ -12,11 +12,19 @@ repeat, interleaved (plain first, then the drafting-off run, then swapped), this
   batch B  eval.batch.batched_generate plain against the same head + n-gram hybrid under eval.policy.LoadAware
            with a cost surface on which no draft pays (T(B, n) = n * T(B, 1)): every pass gated to plain
 Reported per setting: seconds per pass (decode time / passes, median over repeats) of both, the median of
-the per-repeat ratios (`off_vs_plain`, the bound is 1.01) and whether the tokens are identical. Without --head a fresh EAGLE-3 head of
+the per-repeat ratios (`off_vs_plain`, the bound is 1.01) with their range, and whether the tokens are
+identical. On a noisy machine whole runs drift by more than the bound, so the drafting-off pass is also taken
+apart into what it adds, each part measured without that drift: the seconds per pass outside the target's
+forward (drafting, gating, commits, bookkeeping) of both runs, and the forward with the head's capture
+against the forward without it, timed pass by pass alternately. Without --head a fresh EAGLE-3 head of
 configs/smollm2-135m.yaml's shape is built on the target (its weights do not matter: it never drafts).
 
 JSON keys: threads, target, head, new_tokens, rows: [{setting, batch_size, plain_pass_ms, off_pass_ms,
-off_vs_plain, identical, drafted_tokens}].
+off_vs_plain, off_vs_plain_range, identical, drafted_tokens, and for batches plain_outside_ms, off_outside_ms:
+seconds per pass outside the target's forward, the drafting-off pass's own bookkeeping without the forward's
+noise}], capture: [{batch_size, plain_forward_ms, capture_forward_ms, capture_vs_plain}]: the forward with
+and without the head's capture, timed pass by pass alternately (what remains of a drafting-off pass inside
+the forward, at the prompts' context).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import torch  # noqa: E402
 
 from data.cli import UserError, cli_main  # noqa: E402
 from data.config import TargetConfig, load_config  # noqa: E402
+from data.kvcache import DynamicKV, timed_pass  # noqa: E402
 from data.regenerate import render_rows  # noqa: E402
 from data.target import load_target  # noqa: E402
 from eval.batch import batched_generate  # noqa: E402
@@ -67,16 +76,17 @@ def _both(first_plain: bool, plain, off):
     return plain(), b
 
 
-def _single(model, ids, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int]:
-    """(plain seconds per pass, drafting-off seconds per pass, identical, drafted tokens) for one prompt."""
+def _single(model, ids, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int, None]:
+    """(plain seconds per pass, drafting-off seconds per pass, identical, drafted tokens, None) for one prompt."""
     (plain_ids, ps), (off_ids, os_) = _both(
         first_plain, lambda: plain_generate(model, ids, n),
         lambda: speculative_generate(model, ids, DeferredSync(make_head()), 0, n, policy=_never(("draft",))))
     return (ps.decode_time_s / ps.target_passes, os_.decode_time_s / os_.target_passes,
-            bool(torch.equal(plain_ids, off_ids)), os_.drafted_tokens)
+            bool(torch.equal(plain_ids, off_ids)), os_.drafted_tokens, None)
 
 
-def _batched(model, rows, pad, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int]:
+def _batched(model, rows, pad, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int, tuple]:
+    """As _single, with (plain, drafting-off) seconds per pass outside the target's forward last."""
     b = len(rows)
     steep = {b: VerifyCost({m: m * 0.05 for m in (1, 2, 4, 8, 17)}, context_len=0)}
     plain, off = _both(
@@ -84,7 +94,8 @@ def _batched(model, rows, pad, make_head, n: int, first_plain: bool) -> tuple[fl
         lambda: batched_generate(model, rows, n, pad, k=4, make_drafter=lambda: HybridDrafter(make_head()),
                                  make_policy=lambda: _never(("head", "ngram")), load=LoadAware(steep)))
     return (plain.decode_s / plain.passes, off.decode_s / off.passes, bool(torch.equal(plain.tokens, off.tokens)),
-            off.stats.drafted_tokens)
+            off.stats.drafted_tokens, ((plain.decode_s - plain.forward_s) / plain.passes,
+                                       (off.decode_s - off.forward_s) / off.passes))
 
 
 def _head_factory(args, io, device, dtype):
@@ -92,6 +103,8 @@ def _head_factory(args, io, device, dtype):
         head, cfg, _ = load_head(args.head, io)
     else:
         cfg = load_config(ROOT / "configs" / "smollm2-135m.yaml").head
+        # the quickstart's shape, its draft vocabulary capped at a smaller target's vocabulary
+        cfg.draft_vocab_size = min(cfg.draft_vocab_size, io.vocab_size)
         torch.manual_seed(0)
         head = registry.get(cfg.family).build(cfg, io)
     head.to(device=device, dtype=dtype)
@@ -99,17 +112,51 @@ def _head_factory(args, io, device, dtype):
 
 
 def _measure(name: str, b: int, fn, repeats: int) -> dict:
-    plain, off, same, drafted = [], [], True, 0
+    plain, off, same, drafted, outside = [], [], True, 0, []
     for r in range(repeats):
-        p, o, s, d = fn(r)
+        p, o, s, d, x = fn(r)
         plain.append(p)
         off.append(o)
         same, drafted = same and s, drafted + d
+        if x is not None:
+            outside.append(x)
     pm, om = statistics.median(plain), statistics.median(off)
-    # the ratio of each repeat's pair (run back to back), then their median: drift between repeats cancels
-    return {"setting": name, "batch_size": b, "plain_pass_ms": 1000 * pm, "off_pass_ms": 1000 * om,
-            "off_vs_plain": statistics.median(o / p for o, p in zip(off, plain)), "identical": same,
-            "drafted_tokens": drafted}
+    ratios = sorted(o / p for o, p in zip(off, plain))
+    # the ratio of each repeat's pair (run back to back), then their median: drift between repeats cancels;
+    # the spread of the ratios says how far the machine's noise lets that median be trusted
+    row = {"setting": name, "batch_size": b, "plain_pass_ms": 1000 * pm, "off_pass_ms": 1000 * om,
+           "off_vs_plain": statistics.median(ratios), "off_vs_plain_range": [ratios[0], ratios[-1]],
+           "identical": same, "drafted_tokens": drafted}
+    if outside:  # time outside the target's forward: the bookkeeping a drafting-off pass adds, without its noise
+        row["plain_outside_ms"] = 1000 * statistics.median(x[0] for x in outside)
+        row["off_outside_ms"] = 1000 * statistics.median(x[1] for x in outside)
+    return row
+
+
+def _capture_cost(model, capture, b: int, context: int, pairs: int) -> dict:
+    """What a drafting-off pass adds inside the forward: the capture of the head's layers. Two caches of the same
+    B rows of `context` random tokens, one capturing; passes timed alternately, one of each per pair (noise
+    that drifts over seconds hits both sides of a pair alike), each pass dropped again."""
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(b)
+    ctx = torch.randint(vocab, (b, context), generator=g)
+    caches = []
+    for layers in (None, capture):
+        kv = DynamicKV(model, layers)
+        kv.run(ctx, logits_to_keep=1, pad=torch.ones_like(ctx))
+        kv.keep(range(context))
+        caches.append(kv)
+    ids = torch.randint(vocab, (b, 1), generator=g)
+    times: list[list[float]] = [[], []]
+    for i in range(pairs + 1):
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        dts = {j: timed_pass(caches[j], ids) for j in order}
+        if i:  # the first pair warms up
+            times[0].append(dts[0])
+            times[1].append(dts[1])
+    return {"batch_size": b, "plain_forward_ms": 1000 * statistics.median(times[0]),
+            "capture_forward_ms": 1000 * statistics.median(times[1]),
+            "capture_vs_plain": statistics.median(c / p for p, c in zip(*times))}
 
 
 @cli_main
@@ -143,15 +190,25 @@ def main(argv: list[str] | None = None) -> dict:
         batch = [rows[i % len(rows)] for i in range(b)]
         results.append(_measure(f"batch {b}, load-aware", b, lambda r, batch=batch: _batched(model, batch, pad, make_head, n, r % 2 == 0),
                                 args.repeats))
+    capture = make_head().capture_layers
+    forwards = [_capture_cost(model, capture, b, len(rows[0]), 8 * args.repeats) for b in [1, *sizes]]
     print(f"target {args.target}, head {args.head or 'fresh EAGLE-3 (never drafts)'}, {torch.get_num_threads()} "
           f"threads, {n} new tokens per row, median of {args.repeats}")
-    print("| setting | plain ms/pass | drafting off ms/pass | off / plain | identical | drafted tokens |")
-    print("|---|---|---|---|---|---|")
+    print("| setting | plain ms/pass | drafting off ms/pass | off / plain (range) | outside the forward ms/pass, "
+          "plain / off | identical | drafted tokens |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['setting']} | {r['plain_pass_ms']:.1f} | {r['off_pass_ms']:.1f} | {r['off_vs_plain']:.3f}x | "
-              f"{'yes' if r['identical'] else 'NO'} | {r['drafted_tokens']} |")
+        lo, hi = r["off_vs_plain_range"]
+        outside = f"{r['plain_outside_ms']:.2f} / {r['off_outside_ms']:.2f}" if "off_outside_ms" in r else "-"
+        print(f"| {r['setting']} | {r['plain_pass_ms']:.1f} | {r['off_pass_ms']:.1f} | {r['off_vs_plain']:.3f}x "
+              f"({lo:.2f}-{hi:.2f}) | {outside} | {'yes' if r['identical'] else 'NO'} | {r['drafted_tokens']} |")
+    print("\n| batch | forward ms, plain | with the head's capture | capture / plain (pass by pass) |")
+    print("|---|---|---|---|")
+    for f in forwards:
+        print(f"| {f['batch_size']} | {f['plain_forward_ms']:.1f} | {f['capture_forward_ms']:.1f} | "
+              f"{f['capture_vs_plain']:.3f}x |")
     out = {"threads": torch.get_num_threads(), "target": args.target, "head": args.head, "new_tokens": n,
-           "rows": results}
+           "rows": results, "capture": forwards}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return out

@@ -231,6 +231,11 @@ MUTANTS: list[Mutant] = [
            "            if realised * score > best * (1 + 1e-9):",
            "            if score > best * (1 + 1e-9):",
            ("tests/test_batch.py", "-k", "deliver_less or slower_than_priced")),
+    # the gate's skip bound prices a depth by its best proposer, not their sum: it skips batches that would pay
+    Mutant("gate_bound_max_not_sum", "eval/policy.py",
+           "                    per_depth[d] += reach\n",
+           "                    per_depth[d] = max(per_depth[d], reach)\n",
+           ("tests/test_batch.py", "-k", "gate_bound"), quick=True),
     Mutant("ragged_keep_leaks_a_rejected_slot", "data/kvcache.py",
            "            kept[r, :len(p)] = 1",
            "            kept[r, :len(p) + 1] = 1",

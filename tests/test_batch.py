@@ -259,6 +259,73 @@ def test_load_aware_stops_drafting_where_drafting_passes_deliver_less_than_plain
     assert all(c["draft"] > 0 for c in load.choose([(object(), _policy()) for _ in range(16)], [8] * 16))
 
 
+def _random_gate_case(rng: random.Random):
+    """A random batch for the gate: 1-16 rows of one- or two-proposer policies with random priors and history,
+    random budgets, and a random nondecreasing surface T(B, n) for that batch size."""
+    b = rng.randint(1, 16)
+    sources = ("head", "ngram") if rng.random() < 0.5 else ("draft",)
+    rows = []
+    for _ in range(b):
+        pol = _policy(sources)
+        pol.prior = {s: [rng.random() ** rng.choice((1, 3)) for _ in range(pol.k_max)] for s in sources}
+        for s in sources:  # some history: counts that move the rates off the prior
+            pol.judged[s] = [rng.uniform(0, 6) for _ in range(pol.k_max)]
+            pol.accepted[s] = [rng.uniform(0, j) for j in pol.judged[s]]
+        drafter = type("Two", (), {"SOURCES": sources})() if len(sources) == 2 else object()
+        rows.append((drafter, pol))
+    steps = itertools.accumulate(rng.uniform(0, 0.02 * b) for _ in range(17))
+    surface = {b: VerifyCost({n: 0.05 + x for n, x in zip(range(1, 18), steps)}, 64)}
+    return rows, [rng.randint(0, 8) for _ in range(b)], surface
+
+
+def test_gate_bound_skips_only_batches_the_gate_would_make_plain():
+    """LoadAware.cannot_pay is an upper bound on the gate's score: wherever it says no row can pay, the full
+    per-row pricing drafts nothing either. Its power: it does skip some batches, and batches where it does
+    not skip do draft. A planted bound that prices a depth by its best proposer (max) instead of their sum
+    skips a batch the gate would draft, and fails here."""
+    rng = random.Random(5)
+    skipped = drafted = 0
+    for _ in range(400):
+        rows, budgets, surface = _random_gate_case(rng)
+        load = LoadAware(surface)
+        bound = load.cannot_pay(rows, budgets)
+        load.cannot_pay = lambda *a: False  # the full pricing, as before the bound
+        chosen = load.choose(rows, budgets)
+        any_draft = any(v for c in chosen for v in c.values())
+        assert not (bound and any_draft), "the bound skipped a batch the gate would have drafted"
+        skipped += bound
+        drafted += any_draft
+    assert skipped > 40 and drafted > 40
+    # Where two proposers each reach depth 1 half the time, together they add 0.75 tokens for two nodes; priced
+    # at T(3) = 1.55 T(1) that pays (1.75 / 1.55 > 1.05): the bound must not skip it (a max bound would).
+    pol = _policy(("head", "ngram"))
+    pol.prior = {s: [0.5] + [0.0] * (pol.k_max - 1) for s in ("head", "ngram")}
+    pol.costs = {s: DraftCost(0.0, 0.0) for s in ("head", "ngram")}
+    rows = [(type("Two", (), {"SOURCES": ("head", "ngram")})(), pol)]
+    load = LoadAware({1: VerifyCost({1: 0.05, 2: 0.0775, 3: 0.0775, 9: 0.2}, 64)})
+    assert not load.cannot_pay(rows, [1])
+    assert load.choose(rows, [1]) == [{"head": 1, "ngram": 1}]
+
+
+def test_gate_bound_consults_no_policy_when_nothing_can_pay():
+    """On a steep surface with a useless drafter the pass is plain without asking any row's policy (no
+    per-row pricing, no n-gram lookup, no re-probe); on a flat one the policies choose as before."""
+
+    class Refuses(AdaptivePolicy):
+        def choose(self, drafter, budget):
+            raise AssertionError("a policy was consulted")
+
+    def refusing(prior):
+        verify = VerifyCost({1: 0.05, 2: 0.055}, context_len=64)
+        return Refuses(verify, {"draft": DraftCost(0.0005, 0.0002)}, {"draft": [prior] * 4})
+
+    steep = LoadAware({16: _surface(1.0)[16]})
+    assert steep.choose([(object(), refusing(0.05)) for _ in range(16)], [8] * 16) == [{"draft": 0}] * 16
+    flat = LoadAware(_surface(0.0))
+    with pytest.raises(AssertionError, match="consulted"):
+        flat.choose([(object(), refusing(0.9)) for _ in range(16)], [8] * 16)
+
+
 class Slow(Counting):
     """Counting, with 100 ms of drafting per call that no cost model knows of."""
 
@@ -388,3 +455,22 @@ def test_deferred_commits_join_in_order_past_the_log_chunk():
     assert tokens == [100 + i for i in range(69)] and nxt == 169
     assert feats.last[0, :, 0].tolist() == [float(i) for i in range(70)]
     assert feats.aux[0, :, 0].tolist() == [float(-i) for i in range(70)]
+
+
+def test_bench_batch_runs_on_the_tiny_target(tmp_path):
+    """scripts/bench_batch.py end to end on the tiny target with a fresh head: the drafting-off runs draft
+    nothing and match plain token for token; batched rows split each pass into the forward and the rest."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_batch", ROOT / "scripts" / "bench_batch.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--target", "tiny-random-llama", "--batch-sizes", "2", "--new-tokens", "4", "--repeats", "2",
+                    "--json", str(tmp_path / "b.json")])
+    assert json.loads((tmp_path / "b.json").read_text()) == json.loads(json.dumps(out))
+    single, batch = out["rows"]
+    assert all(r["identical"] and r["drafted_tokens"] == 0 for r in out["rows"])
+    lo, hi = batch["off_vs_plain_range"]
+    assert lo <= batch["off_vs_plain"] <= hi and "off_outside_ms" not in single
+    assert 0 < batch["plain_outside_ms"] < batch["plain_pass_ms"] and 0 < batch["off_outside_ms"] < batch["off_pass_ms"]
