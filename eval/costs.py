@@ -23,13 +23,13 @@ per-pass choice, is E * T(1) / time through the one `speedup` function.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from data.kvcache import DynamicKV, new_kv, timed_pass
+from data.kvcache import DynamicKV, KVCache, new_kv, timed_pass
 from eval.decoder import GenerationStats, speculative_generate
 from heads.base import Drafter
 
@@ -98,7 +98,11 @@ def measure_verify_cost(
 
     The cache ("dynamic" or "static", data.kvcache) holds `context_len` random tokens; each timed forward is
     dropped again, so every repeat sees the same context. One untimed warm-up forward per k (on CUDA it
-    captures the static cache's graph); CUDA work is synchronised around each timed forward.
+    captures the static cache's graph); CUDA work is synchronised around each timed forward. The repeats
+    are interleaved (round r times every k once, in order), so a slow spell of the machine lands on one
+    repeat of several sizes, which the per-size median drops, instead of on every repeat of one size: the
+    2-core VM timed T(1) at 63 ms and T(2) at 44 ms with the repeats back to back, a dip that told the
+    policy a drafted token is cheaper than none.
     """
     dev = next(model.parameters()).device
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -108,16 +112,20 @@ def measure_verify_cost(
     kv.run(ctx, logits_to_keep=1)
     kv.keep(range(context_len))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    out: dict[int, float] = {}
-    for k in ks:
-        ids = torch.randint(vocab, (1, k), generator=g)
-        times = []
-        for r in range(repeats + 1):
+    inputs = {int(k): torch.randint(vocab, (1, k), generator=g) for k in ks}
+    return VerifyCost(seconds=_round_robin(kv, inputs, repeats, sync), context_len=context_len)
+
+
+def _round_robin(kv: KVCache, blocks: dict[int, torch.Tensor], repeats: int, sync: Callable[[], None]) -> dict[int, float]:
+    """Median seconds per block of `repeats` timed passes, taken round-robin after one untimed warm-up round
+    (every block once per round, so a slow spell of the machine hits every size alike)."""
+    times: dict[int, list[float]] = {n: [] for n in blocks}
+    for r in range(repeats + 1):
+        for n, ids in blocks.items():
             dt = timed_pass(kv, ids, sync)
-            if r:  # the first run warms up
-                times.append(dt)
-        out[int(k)] = statistics.median(times)
-    return VerifyCost(seconds=out, context_len=context_len)
+            if r:  # round 0 warms up
+                times[n].append(dt)
+    return {n: statistics.median(ts) for n, ts in times.items()}
 
 
 @torch.no_grad()
@@ -148,13 +156,7 @@ def measure_cost_surface(
         kv.run(ctx, logits_to_keep=1, pad=torch.ones_like(ctx))
         kv.keep(range(context_len))
         blocks = {int(n): torch.randint(vocab, (b, n), generator=g) for n in ns}
-        times: dict[int, list[float]] = {n: [] for n in blocks}
-        for r in range(repeats + 1):
-            for n, ids in blocks.items():
-                dt = timed_pass(kv, ids, sync)
-                if r:  # round 0 warms up
-                    times[n].append(dt)
-        surface[int(b)] = VerifyCost({n: statistics.median(ts) for n, ts in times.items()}, context_len=context_len)
+        surface[int(b)] = VerifyCost(_round_robin(kv, blocks, repeats, sync), context_len=context_len)
     return surface
 
 

@@ -103,10 +103,11 @@ class LearnedVerifyCost:
         self.version = 0
         self._fit = isotonic(probe)
 
-    def observe(self, n: int, seconds: float) -> None:
-        """One timed verify pass over n tokens (the root included)."""
+    def observe(self, n: int, seconds: float, weight: float = 1.0) -> None:
+        """One timed verify pass over n tokens (the root included); `weight` passes' worth when `seconds` is
+        already a mean over several (eval.turns: a plain turn's mean pass is T(1) at that turn's context)."""
         total, count = self.timed.get(n, (0.0, 0.0))
-        self.timed[n] = [self.decay * total + seconds, self.decay * count + 1.0]
+        self.timed[n] = [self.decay * total + weight * seconds, self.decay * count + weight]
         self._fit = isotonic(self.estimate())
         self.version += 1
 

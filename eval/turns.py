@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from eval.calibrate import Costs
 
 Served = dict[tuple[str, str], list[tuple[list[int], int]]]  # (temperature, bench) -> [(prompt ids, seed)]
+# A plain turn's mean pass counts as this many timed passes of T(1) in the run's learned verify curve: as much
+# as the decayed history of one n holds at eval.policy.LearnedVerifyCost's default decay (1 / (1 - 0.9)).
+PLAIN_TURN_WEIGHT = 10.0
 
 
 def prompt_ids(tok: Any, messages: list[dict[str, str]], device: torch.device) -> torch.Tensor:
@@ -152,7 +155,13 @@ class Turns:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         common = dict(max_new_tokens=max_new, temperature=temp, eos_token_id=eos, generator=gen)
         if name == "plain":
-            return plain_generate(model, ids, **common)
+            new, st = plain_generate(model, ids, **common)
+            if st.target_passes:
+                # Plain decoding is T(1) at this turn's context, timed beside the drafters: it anchors the
+                # price of not drafting, which the probe alone set (one spell on it moved every choice) and
+                # which a policy that drafts every pass would otherwise never time again.
+                self.learned.observe(1, st.verify_time_s / st.target_passes, weight=PLAIN_TURN_WEIGHT)
+            return new, st
         if name == "hf_prompt_lookup":
             return hf_prompt_lookup(model, ids, costs.k_ng, max_new, eos, self.target.tok.pad_token_id)
         if name == "ngram":

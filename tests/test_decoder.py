@@ -561,6 +561,23 @@ def test_measured_costs_on_tiny_model(target, prompt, reference):
     assert ideal_speedup(st, VerifyCost({1: 1.0}, 0), DraftCost(0.0, 0.0)) == pytest.approx(st.tau)
 
 
+def test_verify_probe_interleaves_its_repeats(target, monkeypatch):
+    """A slow spell of three consecutive passes (10x) lands on one repeat of three sizes, which their medians
+    drop; timed back to back it would be three of T(1)'s five repeats, and T(1) would read 10x."""
+    import eval.costs as costs
+
+    calls = []
+
+    def machine(kv, ids, sync=lambda: None):
+        calls.append(ids.shape[1])
+        return 0.01 * ids.shape[1] * (10.0 if 3 <= len(calls) - 1 <= 5 else 1.0)
+
+    monkeypatch.setattr(costs, "timed_pass", machine)
+    vc = measure_verify_cost(target, context_len=8, ks=(1, 2, 4), repeats=5)
+    assert calls == [1, 2, 4] * 6  # a warm-up round, then five rounds of every size
+    assert vc.seconds == pytest.approx({1: 0.01, 2: 0.02, 4: 0.04})
+
+
 def test_stats_merge_and_dict(target, prompt, reference):
     _, a = speculative_generate(target, prompt, NgramDrafter(), 3, MAX_NEW)
     _, b = speculative_generate(target, prompt, StaticTreeDrafter(reference), 3, MAX_NEW)

@@ -362,6 +362,26 @@ def test_timed_passes_teach_the_verify_curve():
     assert learned(1) == pytest.approx(0.05) and learned.version == 12
 
 
+def test_plain_turns_anchor_the_learned_single_token_cost(tiny_target):
+    """Every plain turn of the eval is a measurement of T(1) at that turn's context: it enters the run's learned
+    curve as PLAIN_TURN_WEIGHT passes of its mean, outweighing a probe that read T(1) 10x too slow."""
+    from types import SimpleNamespace
+
+    from eval.turns import PLAIN_TURN_WEIGHT, Target, Turns, prompt_ids
+
+    model, tok, io = tiny_target
+    probe = VerifyCost({1: 10.0, 2: 10.0, 4: 10.0}, 64)  # a spell on the probe: 10 s a pass
+    subject = SimpleNamespace(factory=lambda k: (lambda: None))
+    turns = Turns(Target(model, tok, io, torch.device("cpu"), [tok.eos_token_id]), subject,
+                  SimpleNamespace(k=2, verify=probe), SimpleNamespace(max_new_tokens=6), 0, None)
+    ids = prompt_ids(tok, [{"role": "user", "content": "Hello"}], torch.device("cpu"))
+    _, st = turns.generate("plain", ids, 0.0, 0)
+    mean = st.verify_time_s / st.target_passes
+    assert turns.learned.timed[1] == pytest.approx([PLAIN_TURN_WEIGHT * mean, PLAIN_TURN_WEIGHT])
+    blended = (4.0 * 10.0 + PLAIN_TURN_WEIGHT * mean) / (4.0 + PLAIN_TURN_WEIGHT)
+    assert turns.learned(1) == pytest.approx(blended) and turns.learned(1) < 3.0
+
+
 def test_policy_stops_drafting_when_its_timed_passes_are_slow():
     # The probe says verifying is free, so a 0.6-accepted draft pays; the run's own passes say a 4-token pass
     # costs five plain ones, which no acceptance below 1 repays. Two policies share the learner (as eval.run's
