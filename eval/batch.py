@@ -30,7 +30,8 @@ Load-aware drafting (eval.policy.LoadAware): each row's AdaptivePolicy prices a 
 a batch pass, T(B, n) / B, from the cost surface T(B, n) measured before the sweep (eval.costs.
 measure_cost_surface) and refined by the run's own timed batch passes; then a batch gate drops the drafts of
 rows whose drafting would widen the shared pass more than their expected tokens pay for, down to a plain
-pass (nothing drafted: the drafters are not called, their commits wait in DeferredSync).
+pass (nothing drafted: the drafters are not called, their commits wait in DeferredSync). The sweep keeps
+one LoadAware per load-aware method for all its runs, so what the timed passes taught carries over.
 
     python -m pytest -q tests/test_batch.py
 """
@@ -249,9 +250,10 @@ def _single_stream_tau(model: nn.Module, prompt: Sequence[int], m: Method, max_n
 
 
 def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, methods: Sequence[Method],
-               max_new_tokens: int, surface: dict[int, Any] | None, repeats: int,
+               max_new_tokens: int, loads: dict[str, LoadAware], repeats: int,
                progress: Callable[[str], None] | None) -> dict[str, Any]:
-    """One batch size of the sweep: every method and plain, `repeats` rotated rounds (see `sweep`)."""
+    """One batch size of the sweep: every method and plain, `repeats` rotated rounds (see `sweep`); a load-aware
+    method's gate is its one LoadAware of the sweep (`loads`)."""
     order: list[Method | None] = [None, *methods]  # None = plain
     runs: dict[str, list[tuple[BatchResult, int]]] = {"plain": [], **{m.name: [] for m in methods}}
     for rep in range(repeats):
@@ -259,10 +261,11 @@ def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, method
             if m is None:
                 runs["plain"].append((batched_generate(model, batch, max_new_tokens, pad_id), 0))
                 continue
-            load = LoadAware(surface) if m.load_aware and surface else None
+            load = loads.get(m.name)
+            gated = load.gated if load is not None else 0
             res = batched_generate(model, batch, max_new_tokens, pad_id, k=m.k, make_drafter=m.make_drafter,
                                    make_policy=m.make_policy, load=load)
-            runs[m.name].append((res, load.gated if load is not None else 0))
+            runs[m.name].append((res, load.gated - gated if load is not None else 0))
     plain = [r for r, _ in runs["plain"]]
     row: dict[str, Any] = {"batch_size": len(batch), "plain_tok_s": median(r.tokens_per_s for r in plain),
                            "plain_latency_s": median(r.latency_s for r in plain), "methods": {}}
@@ -318,12 +321,16 @@ def sweep(
     if any(m.load_aware for m in methods) and not surface:
         raise ValueError("a load-aware method needs the measured cost surface")
     batched_generate(model, [prompts[0]], 2, pad_id)  # untimed: first-call allocation hits neither side
+    # One gate per load-aware method for the whole sweep: what its timed passes taught (the load scale per
+    # batch size, the realised rate of its drafting passes) carries from run to run, as a server's would from
+    # request to request, instead of every 32-token run paying for its own first drafts again.
+    loads = {m.name: LoadAware(surface) for m in methods if m.load_aware}
     rows = []
     for b in batch_sizes:
         if b < 1:
             raise ValueError(f"batch size must be >= 1, got {b}")
         rows.append(_sweep_row(model, [prompts[i % len(prompts)] for i in range(b)], pad_id, methods,
-                               max_new_tokens, surface, repeats, progress))
+                               max_new_tokens, loads, repeats, progress))
     crossover = {m.name: first_not_faster([(r["batch_size"], r["methods"][m.name]["speedup"]) for r in rows])
                  for m in methods}
     return {

@@ -364,6 +364,34 @@ def test_sweep_report_shape_and_crossover(tiny_target):
     assert out["single_stream_tau"]["oracle"] == pytest.approx(out["rows"][0]["methods"]["oracle"]["tau"])
 
 
+def test_sweep_keeps_one_gate_per_load_aware_method(tiny_target, monkeypatch):
+    """Every run of a load-aware method in the sweep (each batch size, each round) goes through the same
+    LoadAware, so its learned load and realised rate carry over; gated drafts are counted per run."""
+    import eval.batch as batch_mod
+
+    model, tok, io = tiny_target
+    prompts = _prompts(tok, 2)
+    _, refs = _refs(model, tok, prompts, 6)
+    made, seen = [], set()
+
+    class Tracked(LoadAware):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+        def choose(self, rows, budgets):
+            seen.add(id(self))
+            return super().choose(rows, budgets)
+
+    monkeypatch.setattr(batch_mod, "LoadAware", Tracked)
+    aware = Method("aware", 3, lambda: DeferredSync(Counting(refs, 0.0, 1, io.vocab_size, full=True)),
+                   make_policy=_policy, load_aware=True)
+    out = sweep(model, prompts, tok.pad_token_id, [1, 2], [aware], max_new_tokens=6, surface=_surface(1.0),
+                repeats=2)
+    assert len(made) == 1 and seen == {id(made[0])}
+    assert sum(r["methods"]["aware"]["gated_drafts"] for r in out["rows"]) <= made[0].gated
+
+
 def _batched_pvalue(model, draft_model, rows: int, batches: int) -> float:
     """Chi-square p-value of batched speculative sampling (T 1, top-3, k 2, 4 new tokens per row, a sampling
     ModelDrafter per row) against plain sampling's exact law; every row of every batch is one sample."""
