@@ -126,11 +126,14 @@ class AdaptivePolicy:
     """eval.decoder.DraftPolicy choosing per-proposer draft lengths from measured costs and running acceptance."""
 
     def __init__(self, verify: VerifyCost | LearnedVerifyCost, costs: Mapping[str, DraftCost], prior: Mapping[str, Sequence[float]],
-                 k_max: int = 8, prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 8):
+                 k_max: int = 8, prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 8,
+                 margin: float = 1.0):
         if set(costs) != set(prior) or not prior:
             raise ValueError(f"AdaptivePolicy: costs {sorted(costs)} and prior {sorted(prior)} must name the same proposers")
-        if k_max < 1 or prior_weight <= 0 or not 0 < decay <= 1 or probe_every < 1:
-            raise ValueError("AdaptivePolicy: need k_max >= 1, prior_weight > 0, 0 < decay <= 1, probe_every >= 1")
+        if k_max < 1 or prior_weight <= 0 or not 0 < decay <= 1 or probe_every < 1 or margin < 1.0:
+            raise ValueError("AdaptivePolicy: need k_max >= 1, prior_weight > 0, 0 < decay <= 1, probe_every >= 1, "
+                             "margin >= 1")
+        self.margin = margin  # a draft is chosen only when predicted faster than plain by this factor
         self.verify = verify if isinstance(verify, LearnedVerifyCost) else LearnedVerifyCost(verify)
         self.costs = dict(costs)
         self.prior = {s: extend_rates(a, k_max) for s, a in prior.items()}
@@ -203,7 +206,8 @@ class AdaptivePolicy:
         self.verify, self._t_version = verify, -1
 
     def best_lengths(self, sources: Sequence[str], limit: Mapping[str, int]) -> dict[str, int]:
-        """The lengths (each 0..limit[s]) with the highest predicted_speedup; ties go to the shorter.
+        """The lengths (each 0..limit[s]) with the highest predicted_speedup; ties go to the shorter. A draft has
+        to beat plain decoding by `margin` (1.0: any predicted gain) or the pass is plain.
 
         One or two proposers, priced incrementally (O(1) per candidate, this runs every pass): adding depth
         d to the second proposer adds P(the first misses d) * P_2(d) to E.
@@ -219,7 +223,7 @@ class AdaptivePolicy:
         cost_a = [self.costs[a](m) if m else 0.0 for m in nodes_a]
         cost_b = [self.costs[b](m) if m else 0.0 for m in nodes_b] if b else [0.0]
         t1 = self._verify(1)
-        best, arg = 1.0, (0, 0)  # a plain pass
+        best, arg = self.margin, (0, 0)  # a plain pass unless some draft beats it by the margin
         e_a = 1.0
         for la in range(la_max + 1):
             if la:

@@ -36,6 +36,11 @@ Served = dict[tuple[str, str], list[tuple[list[int], int]]]  # (temperature, ben
 # A plain turn's mean pass counts as this many timed passes of T(1) in the run's learned verify curve: as much
 # as the decayed history of one n holds at eval.policy.LearnedVerifyCost's default decay (1 / (1 - 0.9)).
 PLAIN_TURN_WEIGHT = 10.0
+# A single-stream draft is taken only when predicted at least 5% faster than a plain pass, the batch gate's
+# margin (eval.policy.LoadAware): a predicted gain below what one pass's timing varies by on a loaded CPU
+# buys risk, not speed. Measured: the quickstart head alone on a passage-retrieval file drafted 73% of
+# passes at a predicted 1.00-1.10x (acceptance 0.22) and ran at 0.87x.
+SINGLE_STREAM_MARGIN = 1.05
 
 
 def prompt_ids(tok: Any, messages: list[dict[str, str]], device: torch.device) -> torch.Tensor:
@@ -176,15 +181,17 @@ class Turns:
         """A fresh per-request policy for a method (None: fixed k); the n-gram baseline keeps its fixed k."""
         if self.cfg.policy != "adaptive" or name in BASELINES and name != self.subject.main:
             return None
-        return adaptive_policy(self.costs, self.learned, name.endswith("+ngram"))
+        return adaptive_policy(self.costs, self.learned, name.endswith("+ngram"), margin=SINGLE_STREAM_MARGIN)
 
 
-def adaptive_policy(costs: Costs, verify: LearnedVerifyCost | Any, hybrid: bool) -> AdaptivePolicy:
+def adaptive_policy(costs: Costs, verify: LearnedVerifyCost | Any, hybrid: bool, margin: float = 1.0) -> AdaptivePolicy:
     """A fresh per-request AdaptivePolicy: the calibration's acceptance as the prior and its draft cost, per
-    proposer ("head" and "ngram" for a hybrid, else "draft"); `verify` prices the passes (eval.policy)."""
+    proposer ("head" and "ngram" for a hybrid, else "draft"); `verify` prices the passes (eval.policy); a
+    draft must be predicted `margin` times faster than plain (the batch sweep's rows leave that to the gate)."""
     c = costs
     if hybrid:
         return AdaptivePolicy(verify, {"head": c.cal.draft_cost, "ngram": c.cal_ng.draft_cost},
-                              {"head": measured_prior(c.cal.stats), "ngram": measured_prior(c.cal_ng.stats)})
-    return AdaptivePolicy(verify, {"draft": c.cal.draft_cost}, {"draft": measured_prior(c.cal.stats)})
+                              {"head": measured_prior(c.cal.stats), "ngram": measured_prior(c.cal_ng.stats)},
+                              margin=margin)
+    return AdaptivePolicy(verify, {"draft": c.cal.draft_cost}, {"draft": measured_prior(c.cal.stats)}, margin=margin)
 

@@ -231,6 +231,11 @@ MUTANTS: list[Mutant] = [
            "            if realised * score > best * (1 + 1e-9):",
            "            if score > best * (1 + 1e-9):",
            ("tests/test_batch.py", "-k", "deliver_less or slower_than_priced")),
+    # the single-stream policy drafts on any predicted gain, however small: its margin is ignored
+    Mutant("policy_margin_ignored", "eval/policy.py",
+           "        best, arg = self.margin, (0, 0)",
+           "        best, arg = 1.0, (0, 0)",
+           ("tests/test_policy.py", "-k", "margin"), quick=True),
     # the gate's skip bound prices a depth by its best proposer, not their sum: it skips batches that would pay
     Mutant("gate_bound_max_not_sum", "eval/policy.py",
            "                    per_depth[d] += reach\n",

@@ -398,3 +398,22 @@ def test_policy_stops_drafting_when_its_timed_passes_are_slow():
     second.reset(0)
     assert second.choose(NgramDrafter(), 10)["draft"] == 0
     assert first.choose(NgramDrafter(), 10)["draft"] == 0
+
+
+def test_margin_turns_down_drafts_predicted_barely_faster():
+    """With a margin, a draft predicted 3% faster than plain is not taken and one predicted 10% faster is; the
+    eval's single-stream policies use eval.turns.SINGLE_STREAM_MARGIN (5%)."""
+    from eval.turns import SINGLE_STREAM_MARGIN
+
+    flat = VerifyCost({1: 0.05, 2: 0.05, 4: 0.05, 8: 0.05}, 64)
+
+    def choice(acceptance: float, margin: float) -> int:
+        pol = AdaptivePolicy(flat, {"draft": DraftCost(0.0, 0.0)}, {"draft": [acceptance] + [0.0] * 7},
+                             margin=margin)
+        pol.reset(0)
+        return pol.choose(object(), 8)["draft"]  # a drafter without a known proposal (a head)
+
+    assert choice(0.03, 1.0) == 1 and choice(0.03, SINGLE_STREAM_MARGIN) == 0
+    assert choice(0.10, SINGLE_STREAM_MARGIN) == 1
+    with pytest.raises(ValueError, match="margin"):
+        AdaptivePolicy(flat, {"draft": DraftCost(0.0, 0.0)}, {"draft": [0.5]}, margin=0.9)
