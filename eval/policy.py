@@ -375,9 +375,10 @@ class LoadAware:
     The model can be wrong where nothing it prices is measured: the heads' per-row drafting and commits, the
     tree mask, Python bookkeeping per row. So every drafting pass is also timed whole (`observe_cycle`: draft,
     verify, commits) and its realised tokens/s set against the rate the gate predicted for it; the running
-    ratio at that batch size (`realised`, an EMA, 1 before any drafting pass) scales every later drafting
-    score there. A batch size where drafting delivers less than predicted stops drafting once its realised
-    rate falls under plain's, whatever the surface says.
+    ratio at that batch size (`realised`, an EMA, 1 before any drafting pass; a size not yet drafted at starts
+    from the nearest one within a factor of 1.5) scales every later drafting score there. A batch size where
+    drafting delivers less than predicted stops drafting once its realised rate falls under plain's, whatever
+    the surface says.
     """
 
     def __init__(self, surface: Mapping[int, VerifyCost], margin: float = 1.05, decay: float = 0.7):
@@ -391,9 +392,14 @@ class LoadAware:
         self._shares: dict[int, RowShare] = {}  # one per batch size, so each policy's T(n) memo survives passes
 
     def realised(self, batch: int) -> float:
-        """Realised over predicted tokens/s of this batch size's drafting passes so far (1.0 before any)."""
-        total, count = self._realised.get(batch, (0.0, 0.0))
-        return total / count if count else 1.0
+        """Realised over predicted tokens/s of this batch size's drafting passes so far. A size with none yet
+        takes the nearest size's within a factor of 1.5 (rows that finish shrink a batch one size at a time,
+        and each new size would otherwise start trusting the cost model again); 1.0 when there is none."""
+        near = [b for b, (_, count) in self._realised.items() if count and batch / 1.5 <= b <= batch * 1.5]
+        if not near:
+            return 1.0
+        total, count = self._realised[min(near, key=lambda b: (abs(b - batch), b))]
+        return total / count
 
     def observe_cycle(self, batch: int, tokens: int, seconds: float) -> None:
         """One whole pass (drafting, the verify forward, every row's commit) of `batch` rows that emitted
