@@ -47,8 +47,11 @@ def main() -> None:
     script = REPO / "train" / sys.argv.pop(1)
     sys.argv[0] = str(script)
     runpy.run_path(str(script), run_name="__main__")
-    print(f"exit probe: rank {os.environ.get('RANK', '0')}, gloo threads before teardown {before[0]}, "
-          f"after the run {gloo_threads()}", flush=True)
+    # one write of the whole line: print() writes the text and its newline separately, so two ranks sharing a
+    # pipe could interleave into "...[]exit probe: rank 1..." (a short write to a pipe is atomic)
+    sys.stdout.write(f"exit probe: rank {os.environ.get('RANK', '0')}, gloo threads before teardown {before[0]}, "
+                     f"after the run {gloo_threads()}\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

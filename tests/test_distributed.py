@@ -80,8 +80,7 @@ def _assert_groups_ended(text: str, what: str) -> None:
     """Both ranks' tests/exit_probe.py lines: gloo threads ran before teardown and none outlived the run.
     A surviving group's threads are still running at interpreter shutdown, which now and then aborts a
     finished run (SIGABRT, "terminate called without an active exception")."""
-    found = re.findall(r"^exit probe: rank (\d+), gloo threads before teardown (\d+), after the run \[(.*)\]$",
-                       text, re.MULTILINE)
+    found = re.findall(r"exit probe: rank (\d+), gloo threads before teardown (\d+), after the run \[([^\]]*)\]", text)
     assert sorted(r for r, _, _ in found) == ["0", "1"], f"{what}: no exit probe line per rank:\n{text[-3000:]}"
     for rank, before, after in found:
         assert int(before) > 0, f"{what}, rank {rank}: no gloo threads recognised before teardown"
