@@ -389,7 +389,6 @@ class LoadAware:
         self.gated = 0
         self._realised: dict[int, tuple[float, float]] = {}  # batch -> (decayed sum of ratios, decayed count)
         self._planned: tuple[int, float] | None = None  # the last drafting pass: (batch, predicted tokens/s)
-        self._shares: dict[int, RowShare] = {}  # one per batch size, so each policy's T(n) memo survives passes
 
     def realised(self, batch: int) -> float:
         """Realised over predicted tokens/s of this batch size's drafting passes so far. A size with none yet
@@ -454,13 +453,10 @@ class LoadAware:
         self._planned = None
         if self.cannot_pay(rows, budgets):
             return [dict.fromkeys(getattr(drafter, "SOURCES", ("draft",)), 0) for drafter, _ in rows]
-        share = self._shares.get(b)
-        if share is None or share.learned is not curve:
-            share = self._shares[b] = RowShare(curve, b)
+        share = RowShare(curve, b)
         choices, plans = [], []
         for (drafter, policy), budget in zip(rows, budgets):
-            if policy.verify is not share:
-                policy.use_verify(share)
+            policy.use_verify(share)
             c = policy.choose(drafter, budget)
             choices.append(c)
             plans.append(policy.expected(c))
