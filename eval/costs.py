@@ -129,6 +129,16 @@ def _round_robin(kv: KVCache, blocks: dict[int, torch.Tensor], repeats: int, syn
 
 
 @torch.no_grad()
+def context_cache(model: nn.Module, ctx: torch.Tensor, capture: Sequence[int] | None = None) -> DynamicKV:
+    """A batched DynamicKV holding the B rows of `ctx` [B, T] (no padding) as committed context, the batched
+    decoder's cache to time passes on (capturing `capture`'s layers when given: scripts/bench_batch.py)."""
+    kv = DynamicKV(model, capture)
+    kv.run(ctx, logits_to_keep=1, pad=torch.ones_like(ctx))
+    kv.keep(range(ctx.shape[1]))
+    return kv
+
+
+@torch.no_grad()
 def measure_cost_surface(
     model: nn.Module,
     batch_sizes: Sequence[int],
@@ -151,10 +161,7 @@ def measure_cost_surface(
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     surface: dict[int, VerifyCost] = {}
     for b in batch_sizes:
-        kv = DynamicKV(model)
-        ctx = torch.randint(vocab, (b, context_len), generator=g)
-        kv.run(ctx, logits_to_keep=1, pad=torch.ones_like(ctx))
-        kv.keep(range(context_len))
+        kv = context_cache(model, torch.randint(vocab, (b, context_len), generator=g))
         blocks = {int(n): torch.randint(vocab, (b, n), generator=g) for n in ns}
         surface[int(b)] = VerifyCost(_round_robin(kv, blocks, repeats, sync), context_len=context_len)
     return surface

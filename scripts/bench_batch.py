@@ -45,11 +45,11 @@ import torch  # noqa: E402
 
 from data.cli import UserError, cli_main  # noqa: E402
 from data.config import TargetConfig, load_config  # noqa: E402
-from data.kvcache import DynamicKV, timed_pass  # noqa: E402
+from data.kvcache import timed_pass  # noqa: E402
 from data.regenerate import render_rows  # noqa: E402
 from data.target import load_target  # noqa: E402
 from eval.batch import batched_generate  # noqa: E402
-from eval.costs import DraftCost, VerifyCost  # noqa: E402
+from eval.costs import DraftCost, VerifyCost, context_cache  # noqa: E402
 from eval.decoder import plain_generate, speculative_generate  # noqa: E402
 from eval.drafters import DeferredSync, HybridDrafter  # noqa: E402
 from eval.policy import AdaptivePolicy, LoadAware  # noqa: E402
@@ -140,12 +140,7 @@ def _capture_cost(model, capture, b: int, context: int, pairs: int) -> dict:
     vocab = int(model.get_output_embeddings().weight.shape[0])
     g = torch.Generator().manual_seed(b)
     ctx = torch.randint(vocab, (b, context), generator=g)
-    caches = []
-    for layers in (None, capture):
-        kv = DynamicKV(model, layers)
-        kv.run(ctx, logits_to_keep=1, pad=torch.ones_like(ctx))
-        kv.keep(range(context))
-        caches.append(kv)
+    caches = [context_cache(model, ctx, layers) for layers in (None, capture)]
     ids = torch.randint(vocab, (b, 1), generator=g)
     times: list[list[float]] = [[], []]
     for i in range(pairs + 1):
