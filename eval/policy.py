@@ -428,7 +428,7 @@ class LoadAware:
         and when realised * that bound is not above plain's margin * B / T(B, 1) for any w up to the largest
         cap, the gate would drop every draft: `choose` then skips the per-row pricing (eval.policy's
         best_lengths over up to 81 candidates a row, the n-gram's lookups), which at batch 16 cost 6 ms of a
-        150 ms pass on the 2-core CPU (scripts/bench_batch.py), and the pass is plain."""
+        150 ms pass on the 2-core CPU under cProfile, 2-3 ms without (docs/batching.md), and the pass is plain."""
         b = len(rows)
         curve, realised = self.curve(b), self.realised(b)
         best = self.margin * b / curve(1)
