@@ -5,8 +5,8 @@ adaptive, hybrid with n-gram), and the export to vLLM's speculators DFlash layou
 identical tensors and decoding, the reference forward on the exported tensors matching our drafter).
 
 Planted bugs each fail here (checked once by hand, see the issue report): a causal mask inside the block
-(`block_mask`), a block seeing the context at its own anchor (`<` -> `<=` in `block_mask`), labels shifted by
-one (`block_alignment` returning `slots` as label positions).
+(`block_attention`'s own-block scores), a block seeing the context at its own anchor (`<` -> `<=` in
+`context_mask`), labels shifted by one (`block_alignment` returning `slots` as label positions).
 
     .venv/bin/python -m pytest -q tests/test_dflash.py
 """
@@ -109,11 +109,32 @@ def test_worked_examples():
     assert [round(w, 4) for w in dflash.loss_weights(dflash.DFlashConfig(block_size=4))] == [0.0, 1.0, 0.7788, 0.6065]
     slots, labels = dflash.block_alignment(torch.tensor([[5]]), 4)
     assert slots.tolist() == [[[5, 6, 7, 8]]] and labels[..., 1:].tolist() == [[[5, 6, 7]]]
-    anchors, valid = dflash.sample_anchors(torch.tensor([[0, 0, 1, 1, 0]]), 3, torch.Generator().manual_seed(0))
-    assert anchors[0, :2].tolist() == [1, 2] and valid.tolist() == [[True, True, False]]
-    m = dflash.block_mask(torch.tensor([[2, 4]]), 2, 5)[0, 0]
-    assert m[:, :5].int().tolist() == [[1, 1, 0, 0, 0]] * 2 + [[1, 1, 1, 1, 0]] * 2  # context < anchor
-    assert m[:, 5:].int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]  # own block, both ways
+    anchors, valid = dflash.sample_anchors(torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]]), 3,
+                                           torch.Generator().manual_seed(0))
+    assert anchors.tolist() == [[1, 2, 1], [1, 2, 3]] and valid.tolist() == [[True, True, False], [True] * 3]
+    anchors, valid = dflash.sample_anchors(torch.tensor([[0, 0, 1, 1, 0]]), 512)  # more than there are: all
+    assert anchors.tolist() == [[1, 2]] and valid.all()
+    m = dflash.context_mask(torch.tensor([[2, 4]]), 2, 5)[0, 0]
+    assert m.int().tolist() == [[1, 1, 0, 0, 0]] * 2 + [[1, 1, 1, 1, 0]] * 2  # context < anchor
+
+
+def test_block_attention_equals_sdpa_over_the_dense_block_mask():
+    """The split attention (context scores + each block's own square) against SDPA over [context, all
+    blocks] with the dense mask "context < anchor, or the same block (both ways)", grouped KV heads."""
+    torch.manual_seed(0)
+    b, heads, kv, d, t, bs = 2, 6, 2, 8, 9, 3
+    anchors = torch.tensor([[1, 4, 7], [2, 3, 8]])
+    n_q = anchors.shape[1] * bs
+    q = torch.randn(b, heads, n_q, d)
+    ctx = (torch.randn(b, kv, t, d), torch.randn(b, kv, t, d))
+    kb, vb = torch.randn(b, kv, n_q, d), torch.randn(b, kv, n_q, d)
+    cmask = dflash.context_mask(anchors, bs, t)
+    got = dflash.block_attention(q, ctx, kb, vb, cmask, bs)
+    blk = torch.arange(n_q) // bs
+    dense = torch.cat([cmask, (blk[:, None] == blk[None, :]).expand(b, 1, -1, -1)], dim=-1)
+    want = F.scaled_dot_product_attention(q, torch.cat([ctx[0], kb], 2), torch.cat([ctx[1], vb], 2),
+                                          attn_mask=dense, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_shapes_and_drafts(tiny_target):

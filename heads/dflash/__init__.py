@@ -23,8 +23,8 @@ exp(-(k-1)/gamma), loss_mask[a+k] and t2d[target argmax] as masks (speculators' 
 The package, one job per module (this file re-exports their public names and declares the family,
 `FAMILIES`, for heads.registry; its loss reads the stored target argmax, as EAGLE-3's does):
     config.py   DFlashConfig, feature_layers, resolved_mask_token, loss_weights
-    model.py    DFlashAttention, DFlashLayer, DFlashHead, build, prepare (draft vocab, LM head rows)
-    losses.py   loss, block_loss, block_logits, block_alignment, block_mask, sample_anchors
+    model.py    DFlashAttention, DFlashLayer, DFlashHead, block_attention, build, prepare (draft vocab, LM head rows)
+    losses.py   loss, block_loss, block_logits, block_alignment, context_mask, sample_anchors
     drafting.py DFlashDrafter, drafter, drafter_factory
 
 Run the unit tests with `.venv/bin/python -m pytest -q tests/test_dflash.py`.
@@ -36,11 +36,11 @@ from heads.dflash.losses import (
     block_alignment,
     block_logits,
     block_loss,
-    block_mask,
+    context_mask,
     loss,
     sample_anchors,
 )
-from heads.dflash.model import DFlashAttention, DFlashHead, DFlashLayer, build, prepare
+from heads.dflash.model import DFlashAttention, DFlashHead, DFlashLayer, block_attention, build, prepare
 from heads.registry import TARGET_ARGMAX, Family
 
 FAMILIES = (Family(name="dflash", config=DFlashConfig, feature_layers=feature_layers, build=build, loss=loss,
@@ -49,6 +49,7 @@ FAMILIES = (Family(name="dflash", config=DFlashConfig, feature_layers=feature_la
 
 __all__ = [
     "FAMILIES", "DFlashAttention", "DFlashConfig", "DFlashDrafter", "DFlashHead", "DFlashLayer", "block_alignment",
-    "block_logits", "block_loss", "block_mask", "build", "drafter", "drafter_factory", "feature_layers", "loss",
+    "block_attention",
+    "block_logits", "block_loss", "context_mask", "build", "drafter", "drafter_factory", "feature_layers", "loss",
     "loss_weights", "prepare", "resolved_mask_token", "sample_anchors",
 ]

@@ -12,7 +12,8 @@ exp(-(k-1)/gamma) (heads.dflash.config.loss_weights; slot 0 predicts nothing).
 
 Anchors: `anchors` positions per sequence drawn uniformly, without replacement, among a in 1..T-2 with
 loss_mask[a+1] = 1 (the first drafted token is supervised; a >= 1 leaves a context); a sequence with fewer
-such positions has its extra anchors flagged invalid (masked out of the loss).
+such positions has its extra anchors flagged invalid (masked out of the loss), and a batch whose rows all
+have fewer than `anchors` takes them all (no all-invalid column is computed).
 
 Metrics: `top1/{k-1}` = share of masked-in slots k (target argmax outside the draft vocab counted as misses)
 where the draft's argmax equals the target's argmax; `n/{k-1}` their count.
@@ -31,23 +32,22 @@ from heads.types import TargetIO
 
 def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(anchors [B, n] ascending, valid [B, n]): n distinct positions a in 1..T-2 with loss_mask[a+1] per row.
+    """(anchors [B, m] ascending, valid [B, m]): up to n distinct positions a in 1..T-2 with loss_mask[a+1] per
+    row, m = min(n, the most eligible positions of any row) (a larger n takes every eligible position; no
+    column is all padding).
 
-    Worked example, loss_mask [0 0 1 1 0], n = 2: eligible a = 1, 2 -> anchors [1, 2], valid [T, T]; with
-    n = 3 the third is invalid (set to 1, masked out)."""
+    Worked example, loss_mask [[0 0 1 1 0], [0 1 1 1 1]], n = 3: eligible a = {1, 2} and {1, 2, 3} ->
+    anchors [[1, 2, 1], [1, 2, 3]], valid [[T, T, F], [T, T, T]] (the padding anchor is 1, masked out)."""
     b, t = loss_mask.shape
     ok = torch.zeros(b, t, dtype=torch.bool, device=loss_mask.device)
     if t >= 3:
         ok[:, 1 : t - 1] = loss_mask[:, 2:] > 0
+    m = max(1, min(n, int(ok.sum(1).max())))
     score = torch.rand(b, t, generator=generator, device="cpu").to(loss_mask.device)
     score = torch.where(ok, score, torch.full_like(score, -1.0))
-    top = score.topk(min(n, t), dim=1)
+    top = score.topk(m, dim=1)
     valid = top.values >= 0
     anchors = torch.where(valid, top.indices, torch.ones_like(top.indices))
-    if n > t:  # more anchors than positions: pad with invalid ones
-        pad = n - t
-        anchors = torch.cat([anchors, anchors.new_ones(b, pad)], dim=1)
-        valid = torch.cat([valid, valid.new_zeros(b, pad)], dim=1)
     order = torch.where(valid, anchors, anchors.new_full(anchors.shape, t)).argsort(dim=1)
     return anchors.gather(1, order), valid.gather(1, order)
 
@@ -61,14 +61,12 @@ def block_alignment(anchors: torch.Tensor, block_size: int) -> tuple[torch.Tenso
     return slots, slots - 1
 
 
-def block_mask(anchors: torch.Tensor, block_size: int, context: int) -> torch.Tensor:
-    """[B, 1, n*bs, context + n*bs] bool: a slot of anchor a sees context positions < a and its own block."""
-    b, n = anchors.shape
+def context_mask(anchors: torch.Tensor, block_size: int, context: int) -> torch.Tensor:
+    """[B, 1, n*bs, context] bool: every slot of the block anchored at a sees the context positions < a.
+    (Inside its own block a slot sees every slot, both ways, and no other block: heads.dflash.model's
+    block_attention.)"""
     q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [B, n*bs]
-    sees_ctx = torch.arange(context, device=anchors.device)[None, None, :] < q_anchor[..., None]
-    blk = torch.arange(n * block_size, device=anchors.device) // block_size
-    own = (blk[:, None] == blk[None, :]).expand(b, -1, -1)
-    return torch.cat([sees_ctx, own], dim=-1)[:, None]
+    return (torch.arange(context, device=anchors.device)[None, None, :] < q_anchor[..., None])[:, None]
 
 
 def block_logits(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch.Tensor) -> torch.Tensor:
@@ -79,7 +77,7 @@ def block_logits(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch
     ctx_kv = head.context_kv(aux, torch.arange(t, device=ids.device).expand(b, t), target)
     emb = head.block_embeddings(ids.gather(1, anchors), target).reshape(b, n * bs, -1)
     slots, _ = block_alignment(anchors, bs)
-    h = head.block_states(emb, slots.reshape(b, n * bs), ctx_kv, block_mask(anchors, bs, t), target)
+    h = head.block_states(emb, slots.reshape(b, n * bs), ctx_kv, context_mask(anchors, bs, t), target)
     return head.logits(h).float().reshape(b, n, bs, -1)
 
 

@@ -16,7 +16,8 @@ attention is SDPA with grouped KV heads (enable_gqa); q_norm/k_norm are what the
     build(cfg, target) -> DFlashHead
     prepare(cfg, dataset, target) -> {d2t, t2d, lm_head.weight, norm.weight}   draft vocab, target's rows
         context_kv(aux, positions, target) -> [(k, v) per layer]   the context's keys/values
-        block_states(emb, positions, ctx_kv, mask, target) -> h    the block through every layer (pre-norm)
+        block_states(emb, positions, ctx_kv, ctx_mask, target) -> h    the blocks through every layer
+    block_attention(q, ctx, kb, vb, ctx_mask, block_size)   training's attention (blocks side by side)
         logits(h)                                                  over the draft vocab
 
 Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py`.
@@ -66,6 +67,31 @@ class DFlashAttention(Attention):
         return k, self._split(self.v_proj(x), self.kv_heads)
 
 
+def block_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor], kb: torch.Tensor, vb: torch.Tensor,
+                    ctx_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Training's attention: n blocks of `block_size` queries, each over the context keys it may see and its
+    own block's keys (both ways), in one softmax per query. q [B, heads, N, d] with N = n * block_size;
+    ctx (k, v) [B, kv, T, d]; kb, vb [B, kv, N, d] (the blocks' own keys/values, block after block);
+    ctx_mask [B, 1, N, T] bool (True = may attend). Returns [B, heads, N, d].
+
+    Equal to SDPA over [context, all blocks] with the mask "context < anchor, or the same block", without
+    scoring the N x N block-to-block square, of which only n squares of block_size^2 are kept: that is what
+    lets a training step use every position of an answer as an anchor (speculators' and SpecForge's DFlash
+    recipes sample up to 512 per sequence) at the cost of the context scores alone."""
+    b, heads, n_q, d = q.shape
+    kv = ctx[0].shape[1]
+    g, n = heads // kv, n_q // block_size
+    qg = q.reshape(b, kv, g, n_q, d) * d**-0.5  # query head i reads kv head i // g (SDPA's enable_gqa)
+    s_ctx = (qg @ ctx[0][:, :, None].transpose(-1, -2)).masked_fill(~ctx_mask[:, :, None], float("-inf"))
+    qb = qg.reshape(b, kv, g, n, block_size, d)
+    s_blk = qb @ kb.reshape(b, kv, 1, n, block_size, d).transpose(-1, -2)  # [.., n, bs, bs]
+    t = ctx[0].shape[2]
+    att = torch.cat([s_ctx, s_blk.reshape(b, kv, g, n_q, block_size)], dim=-1).softmax(-1)
+    out = att[..., :t] @ ctx[1][:, :, None]
+    own = att[..., t:].reshape(b, kv, g, n, block_size, block_size) @ vb.reshape(b, kv, 1, n, block_size, d)
+    return (out + own.reshape(b, kv, g, n_q, d)).reshape(b, heads, n_q, d)
+
+
 class DFlashLayer(nn.Module):
     """One draft layer: pre-norm attention over [context keys, block keys], then the MLP."""
 
@@ -78,15 +104,20 @@ class DFlashLayer(nn.Module):
         self.mlp = MLP(h, inter, getattr(config, "hidden_act", "silu"))
 
     def forward(self, h: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """h [B, N, H] block states; ctx (k, v) [B, kv, T, d]; mask [.., N, T + N] (True = may attend), None =
-        every key (drafting: one block over the whole context, so no mask is built or applied)."""
+                sin: torch.Tensor, ctx_mask: torch.Tensor | None, block_size: int) -> torch.Tensor:
+        """h [B, N, H] block states (N = n * block_size, block after block); ctx (k, v) [B, kv, T, d];
+        ctx_mask [B, 1, N, T] (True = may attend; training, `block_attention`), or None: drafting's one block
+        over the whole context, plain SDPA with no mask built or applied."""
         x = self.input_layernorm(h)
         attn = self.self_attn
         kb, vb = attn.key_value(x, cos, sin)
-        k, v = torch.cat([ctx[0], kb], dim=2), torch.cat([ctx[1], vb], dim=2)
-        # grouped KV heads attended in place (enable_gqa), not repeated: the block pass is a few rows
-        a = F.scaled_dot_product_attention(attn.query(x, cos, sin), k, v, attn_mask=mask, enable_gqa=True)
+        q = attn.query(x, cos, sin)
+        if ctx_mask is None:
+            # grouped KV heads attended in place (enable_gqa), not repeated: the block pass is a few rows
+            k, v = torch.cat([ctx[0], kb], dim=2), torch.cat([ctx[1], vb], dim=2)
+            a = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        else:
+            a = block_attention(q, ctx, kb, vb, ctx_mask, block_size)
         h = h + attn.out(a)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -130,12 +161,13 @@ class DFlashHead(nn.Module):
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
 
     def block_states(self, emb: torch.Tensor, positions: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
-                     mask: torch.Tensor | None, target: TargetIO) -> torch.Tensor:
-        """The block's embeddings [B, N, H] at positions [B, N] through every layer (pre-norm output)."""
+                     ctx_mask: torch.Tensor | None, target: TargetIO) -> torch.Tensor:
+        """The blocks' embeddings [B, N, H] (N = n * block_size) at positions [B, N] through every layer
+        (pre-norm output); ctx_mask as DFlashLayer.forward's."""
         h = emb.to(self.fc.weight.dtype)
         cos, sin = rotary(target, h, positions)
         for layer, ctx in zip(self.layers, ctx_kv):
-            h = layer(h, ctx, cos, sin, mask)
+            h = layer(h, ctx, cos, sin, ctx_mask, self.block_size)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
