@@ -249,6 +249,18 @@ MUTANTS: list[Mutant] = [
            "            pos[r, 1:] += depths.to(self.device)",
            "            pos[r, 1:] += 1",
            ("tests/test_batch.py", "-k", "padded_trees"), quick=True),
+    # --- DFlash (heads/dflash): the block mask and its alignment
+    Mutant("dflash_block_sees_its_anchor_context", "heads/dflash/losses.py",
+           "[None, None, :] < q_anchor[..., None]", "[None, None, :] <= q_anchor[..., None]",
+           ("tests/test_dflash.py", "-k", "direct_computation or drafting_blocks"), quick=True),
+    Mutant("dflash_block_causal_inside", "heads/dflash/model.py",
+           "    t = ctx[0].shape[2]\n",
+           "    s_blk = s_blk.masked_fill(torch.ones(block_size, block_size, dtype=torch.bool).triu(1), float('-inf'))\n"
+           "    t = ctx[0].shape[2]\n",
+           ("tests/test_dflash.py", "-k", "direct_computation or drafting_blocks")),
+    Mutant("dflash_labels_shifted_by_one", "heads/dflash/losses.py",
+           "return slots, slots - 1", "return slots, slots",
+           ("tests/test_dflash.py", "-k", "direct_computation")),
 ]
 
 
