@@ -176,10 +176,10 @@ def test_medusa_and_mtp_take_the_loss_choice(tiny_target, family, cfg):
         module.build(cfg_cls(loss="kl_tv", loss_tv_weight=1.5, **cfg), tiny_target[2])
 
 
-@pytest.mark.parametrize("loss, flushed", [("tv", True), ("forward_kl", False)])
-def test_training_flushes_subnormals_for_the_tv_losses_only(tmp_path, loss, flushed):
-    """TV's softmax gradient underflows into subnormals (an x86 slow path, 5x slower steps on the quickstart):
-    a run with tv flushes them; forward_kl keeps IEEE subnormals, so the default's bits do not move."""
+@pytest.mark.parametrize("loss", ["tv", "forward_kl"])
+def test_training_flushes_subnormals(tmp_path, loss):
+    """Softmax gradients underflow into subnormals (an x86 slow path: TV's steps 5x slower, the quickstart's
+    forward-KL EAGLE-3 steps 1.8x slower after step 35): every run flushes them."""
     from train.loop import train
 
     cfg = load_config("configs/tiny-eagle.yaml", ["--train.max_steps=1", "--train.batch_size=2",
@@ -188,6 +188,6 @@ def test_training_flushes_subnormals_for_the_tv_losses_only(tmp_path, loss, flus
     cfg.out = str(tmp_path / "run")
     try:
         train(cfg)
-        assert ((torch.tensor([1e-40]) * 1.0).item() == 0.0) == flushed  # a subnormal survives unflushed
+        assert (torch.tensor([1e-40]) * 1.0).item() == 0.0  # a subnormal would survive unflushed
     finally:
         torch.set_flush_denormal(False)

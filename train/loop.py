@@ -258,10 +258,11 @@ def keep_best(run: Run, step: int, res: dict[str, float]) -> None:
 def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run:
     """Everything a run needs before its first step (see the module docstring), resumed if asked."""
     set_seed(cfg.seed)
-    # TV's gradient through the softmax underflows into subnormal floats, which x86 CPUs compute on a slow path
-    # (the quickstart with head.loss tv: 6 s a step by step 40, 1.1 s flushed). Forward KL made none in a check
-    # (the same params digest after 40 steps either way), so the default keeps its bits: flush for the others.
-    torch.set_flush_denormal(getattr(cfg.head, "loss", "forward_kl") != "forward_kl")
+    # Gradients through the softmax underflow into subnormal floats, which x86 CPUs compute on a microcoded slow
+    # path: the quickstart's EAGLE-3 run (forward KL) went from 1.05 to 2.5 s a step after step 35, and its last
+    # 32 steps took 74 s unflushed against 46 s flushed, to the same params digest (TV: 6 s a step by step 40,
+    # 1.1 s flushed). So every run flushes them (docs/experiments.md).
+    torch.set_flush_denormal(True)
     out = Path(cfg.out)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
