@@ -49,7 +49,6 @@ FAMILIES = (Family(name="dflash", config=DFlashConfig, feature_layers=feature_la
 
 __all__ = [
     "FAMILIES", "DFlashAttention", "DFlashConfig", "DFlashDrafter", "DFlashHead", "DFlashLayer", "block_alignment",
-    "block_attention",
-    "block_logits", "block_loss", "context_mask", "build", "drafter", "drafter_factory", "feature_layers", "loss",
-    "loss_weights", "prepare", "resolved_mask_token", "sample_anchors",
+    "block_attention", "block_logits", "block_loss", "build", "context_mask", "drafter", "drafter_factory",
+    "feature_layers", "loss", "loss_weights", "prepare", "resolved_mask_token", "sample_anchors",
 ]

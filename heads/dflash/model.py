@@ -10,15 +10,16 @@ names theirs; the equations in heads/dflash/__init__.py's docstring):
     h <- h + o_proj(attn(q; context keys, block keys));  h <- h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(h))         lm_head: the target's rows of the draft vocab, frozen
 
-The Llama pieces are EAGLE's (heads/eagle/model.py: RMSNorm, Attention's projections, MLP, rotary); the
-attention is SDPA with grouped KV heads (enable_gqa); q_norm/k_norm are what the engines' Qwen3-style layer adds.
+The Llama pieces are EAGLE's (heads/eagle/model.py: RMSNorm, Attention's projections, MLP, rotary); drafting's
+attention (one block) is SDPA with grouped KV heads (enable_gqa), training's (many blocks side by side) is
+`block_attention`; q_norm/k_norm are what the engines' Qwen3-style layer adds.
 
     build(cfg, target) -> DFlashHead
     prepare(cfg, dataset, target) -> {d2t, t2d, lm_head.weight, norm.weight}   draft vocab, target's rows
         context_kv(aux, positions, target) -> [(k, v) per layer]   the context's keys/values
         block_states(emb, positions, ctx_kv, ctx_mask, target) -> h    the blocks through every layer
-    block_attention(q, ctx, kb, vb, ctx_mask, block_size)   training's attention (blocks side by side)
         logits(h)                                                  over the draft vocab
+    block_attention(q, ctx, kb, vb, ctx_mask, block_size)   training's attention (context + each block's square)
 
 Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py`.
 """
