@@ -53,7 +53,7 @@ from eval.decoder import DraftPolicy, GenerationStats, draft_pass, judge, record
 from eval.policy import LoadAware
 from heads.base import Drafter, DraftTree, Features
 
-__all__ = ["BatchResult", "Method", "batched_generate", "sweep"]
+__all__ = ["BatchResult", "BatchRun", "Method", "batched_generate", "interleave", "sweep"]
 
 _EMPTY = DraftTree.chain(torch.empty(0, dtype=torch.long))  # a row that drafts nothing this pass
 
@@ -135,7 +135,108 @@ def _begin(rows: list[_Row], kv: DynamicKV, ids: torch.Tensor, mask: torch.Tenso
             r.drafter.begin(prompt, _row_features(feats, i, cols), r.out[0])
 
 
-@torch.no_grad()
+class BatchRun:
+    """One batched generation, a pass at a time (see the module doc): set up and prefilled (untimed) on
+    construction; `step()` runs one timed pass; `result()` once `done`. `batched_generate` runs one to the end;
+    `interleave` advances several pass by pass, so that each one's seconds are its own passes' and load drift
+    on a shared machine falls on all of them alike."""
+
+    @torch.no_grad()
+    def __init__(self, model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int,
+                 k: int = 0, make_drafter: Callable[[], Drafter] | None = None,
+                 make_policy: Callable[[], DraftPolicy] | None = None, load: LoadAware | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):
+        if (k > 0 or make_policy is not None) and make_drafter is None:
+            raise ValueError("speculative batches need a drafter factory")
+        if load is not None and make_policy is None:
+            raise ValueError("a load-aware batch needs per-row policies (make_policy)")
+        if max_new_tokens < 1 or k < 0:
+            raise ValueError(f"need max_new_tokens >= 1 and k >= 0, got {max_new_tokens}, {k}")
+        self.device = next(model.parameters()).device
+        self.k, self.load, self.max_new = k, load, max_new_tokens
+        speculative = k > 0 or make_policy is not None
+        self.rows = []
+        for i, p in enumerate(prompts):
+            gen = torch.Generator().manual_seed(seed + i) if temperature > 0 else None
+            self.rows.append(_Row(list(p), make_drafter() if speculative else None,
+                                  make_policy() if make_policy is not None else None, gen, max_new_tokens))
+        for r in self.rows:
+            if r.policy is not None:
+                r.policy.reset(k)
+        ids, mask = left_pad(prompts, pad_id)
+        self.kv = DynamicKV(model, self.rows[0].drafter.capture_layers if speculative else None)
+        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        _begin(self.rows, self.kv, ids, mask, self.sampling)
+        self.active = [r for r in self.rows if len(r.out) < max_new_tokens]
+        self.finish = {id(r): 0.0 for r in self.rows}
+        self.passes, self.forward_s, self.decode_s = 0, 0.0, 0.0
+
+    @property
+    def done(self) -> bool:
+        return not self.active
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One pass: draft, one target forward over every active row, judge, ragged keep, commits."""
+        active, load, max_new = self.active, self.load, self.max_new
+        tc = time.perf_counter()
+        _draft_all(active, self.k, self.sampling["temperature"], load)
+        block, parents = _block(active, self.device)
+        tv = time.perf_counter()
+        logits, feats = self.kv.run(block, parents)
+        self.forward_s += time.perf_counter() - tv
+        verdicts = [judge(r.tree, logits[i, :len(r.tree) + 1], generator=r.generator, **self.sampling)
+                    for i, r in enumerate(active)]
+        self.kv.keep_rows([v.path for v in verdicts])
+        if load is not None:
+            load.observe(len(active), block.shape[1], time.perf_counter() - tv)
+        self.passes += 1
+        keep, emitted, finished = [], 0, []
+        for i, (r, v) in enumerate(zip(active, verdicts)):
+            record_verdict(r.stats, r.policy, r.tree, v, None)
+            emitted += min(len(v.tokens), max_new - len(r.out))
+            r.out.extend(v.tokens[:max_new - len(r.out)])
+            if len(r.out) < max_new:
+                keep.append(i)
+                if r.drafter is not None:
+                    # A chain's path is a prefix of the pass's columns: a view (this pass's features are never
+                    # written again: DynamicKV allocates every forward), no index copy per row.
+                    n = len(v.path)
+                    cols = slice(0, n) if v.path == list(range(n)) else torch.tensor(v.path, device=logits.device)
+                    r.drafter.commit(v.accepted, _row_features(feats, i, cols), v.next_token)
+            else:
+                finished.append(r)
+        if load is not None:  # the whole pass, drafting and commits included: what the gate cannot price
+            load.observe_cycle(len(active), emitted, time.perf_counter() - tc)
+        if len(keep) < len(active):
+            self.kv.select(torch.tensor(keep, dtype=torch.long, device=self.device))
+            self.active = [active[i] for i in keep]
+        self.decode_s += time.perf_counter() - tc
+        for r in finished:  # seconds of this run's own passes until the row had all its tokens
+            self.finish[id(r)] = self.decode_s
+
+    def result(self) -> BatchResult:
+        stats = GenerationStats()
+        for r in self.rows:
+            r.stats.new_tokens = len(r.out)
+            stats = stats.merge(r.stats)
+        tokens = torch.tensor([r.out for r in self.rows], dtype=torch.long)
+        return BatchResult(tokens, self.passes, self.decode_s, stats, [self.finish[id(r)] for r in self.rows],
+                           [r.stats for r in self.rows], self.forward_s)
+
+
+def interleave(runs: Sequence[BatchRun]) -> list[BatchResult]:
+    """Advance `runs` one pass each in turn until all are done; their results in order. Each run's seconds
+    are its own passes', taken alternately, so a slow spell of the machine (measured: one plain batch-8
+    configuration at 110 and then 76 tok/s minutes apart) lands on every run's passes, not on whichever
+    ran during it (tests/test_batch.py plants a drift and checks both ways)."""
+    while not all(r.done for r in runs):
+        for r in runs:
+            if not r.done:
+                r.step()
+    return [r.result() for r in runs]
+
+
 def batched_generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -153,71 +254,8 @@ def batched_generate(
     """Decode every prompt row for exactly `max_new_tokens` tokens (see the module doc); plain when k == 0 and no
     policy. make_policy: a fresh per-row policy (eval.decoder.DraftPolicy); load: the batch's load-aware pricing
     and gate (needs make_policy). Sampled rows (temperature > 0) draw with generator seed + row index."""
-    if (k > 0 or make_policy is not None) and make_drafter is None:
-        raise ValueError("speculative batches need a drafter factory")
-    if load is not None and make_policy is None:
-        raise ValueError("a load-aware batch needs per-row policies (make_policy)")
-    if max_new_tokens < 1 or k < 0:
-        raise ValueError(f"need max_new_tokens >= 1 and k >= 0, got {max_new_tokens}, {k}")
-    device = next(model.parameters()).device
-    speculative = k > 0 or make_policy is not None
-    rows = []
-    for i, p in enumerate(prompts):
-        gen = torch.Generator().manual_seed(seed + i) if temperature > 0 else None
-        rows.append(_Row(list(p), make_drafter() if speculative else None,
-                         make_policy() if make_policy is not None else None, gen, max_new_tokens))
-    for r in rows:
-        if r.policy is not None:
-            r.policy.reset(k)
-    capture = rows[0].drafter.capture_layers if speculative else None
-    ids, mask = left_pad(prompts, pad_id)
-    kv = DynamicKV(model, capture)
-    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-    _begin(rows, kv, ids, mask, sampling)
-    active = [r for r in rows if len(r.out) < max_new_tokens]
-    finish = {id(r): 0.0 for r in rows}
-    passes, forward_s, t0 = 0, 0.0, time.perf_counter()
-    while active:
-        tc = time.perf_counter()
-        _draft_all(active, k, temperature, load)
-        block, parents = _block(active, device)
-        tv = time.perf_counter()
-        logits, feats = kv.run(block, parents)
-        forward_s += time.perf_counter() - tv
-        verdicts = [judge(r.tree, logits[i, :len(r.tree) + 1], generator=r.generator, **sampling)
-                    for i, r in enumerate(active)]
-        kv.keep_rows([v.path for v in verdicts])
-        if load is not None:
-            load.observe(len(active), block.shape[1], time.perf_counter() - tv)
-        passes += 1
-        keep, emitted = [], 0
-        for i, (r, v) in enumerate(zip(active, verdicts)):
-            record_verdict(r.stats, r.policy, r.tree, v, None)
-            emitted += min(len(v.tokens), max_new_tokens - len(r.out))
-            r.out.extend(v.tokens[:max_new_tokens - len(r.out)])
-            if len(r.out) < max_new_tokens:
-                keep.append(i)
-                if r.drafter is not None:
-                    # A chain's path is a prefix of the pass's columns: a view (this pass's features are never
-                    # written again: DynamicKV allocates every forward), no index copy per row.
-                    n = len(v.path)
-                    cols = slice(0, n) if v.path == list(range(n)) else torch.tensor(v.path, device=logits.device)
-                    r.drafter.commit(v.accepted, _row_features(feats, i, cols), v.next_token)
-            else:
-                finish[id(r)] = time.perf_counter() - t0
-        if load is not None:  # the whole pass, drafting and commits included: what the gate cannot price
-            load.observe_cycle(len(active), emitted, time.perf_counter() - tc)
-        if len(keep) < len(active):
-            kv.select(torch.tensor(keep, dtype=torch.long, device=device))
-            active = [active[i] for i in keep]
-    decode_s = time.perf_counter() - t0
-    stats = GenerationStats()
-    for r in rows:
-        r.stats.new_tokens = len(r.out)
-        stats = stats.merge(r.stats)
-    tokens = torch.tensor([r.out for r in rows], dtype=torch.long)
-    return BatchResult(tokens, passes, decode_s, stats, [finish[id(r)] for r in rows], [r.stats for r in rows],
-                       forward_s)
+    return interleave([BatchRun(model, prompts, max_new_tokens, pad_id, k, make_drafter, make_policy, load,
+                                temperature, top_k, top_p, seed)])[0]
 
 
 def _draft_all(active: list[_Row], k: int, temperature: float, load: LoadAware | None) -> None:
@@ -252,20 +290,25 @@ def _single_stream_tau(model: nn.Module, prompt: Sequence[int], m: Method, max_n
 def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, methods: Sequence[Method],
                max_new_tokens: int, loads: dict[str, LoadAware], repeats: int,
                progress: Callable[[str], None] | None) -> dict[str, Any]:
-    """One batch size of the sweep: every method and plain, `repeats` rotated rounds (see `sweep`); a load-aware
-    method's gate is its one LoadAware of the sweep (`loads`)."""
+    """One batch size of the sweep: `repeats` rounds, each running plain and every method pass-interleaved
+    (`interleave`, the order rotated from round to round); a load-aware method's gate is its one LoadAware of
+    the sweep (`loads`)."""
     order: list[Method | None] = [None, *methods]  # None = plain
     runs: dict[str, list[tuple[BatchResult, int]]] = {"plain": [], **{m.name: [] for m in methods}}
     for rep in range(repeats):
-        for m in order[rep % len(order):] + order[:rep % len(order)]:
+        turn = order[rep % len(order):] + order[:rep % len(order)]
+        started = []
+        for m in turn:
             if m is None:
-                runs["plain"].append((batched_generate(model, batch, max_new_tokens, pad_id), 0))
+                started.append(("plain", BatchRun(model, batch, max_new_tokens, pad_id), None, 0))
                 continue
             load = loads.get(m.name)
-            gated = load.gated if load is not None else 0
-            res = batched_generate(model, batch, max_new_tokens, pad_id, k=m.k, make_drafter=m.make_drafter,
-                                   make_policy=m.make_policy, load=load)
-            runs[m.name].append((res, load.gated - gated if load is not None else 0))
+            started.append((m.name, BatchRun(model, batch, max_new_tokens, pad_id, k=m.k, make_drafter=m.make_drafter,
+                                             make_policy=m.make_policy, load=load), load,
+                            load.gated if load is not None else 0))
+        results = interleave([run for _, run, _, _ in started])
+        for (name, _, load, gated), res in zip(started, results):
+            runs[name].append((res, load.gated - gated if load is not None else 0))
     plain = [r for r, _ in runs["plain"]]
     row: dict[str, Any] = {"batch_size": len(batch), "plain_tok_s": median(r.tokens_per_s for r in plain),
                            "plain_latency_s": median(r.latency_s for r in plain), "methods": {}}
@@ -305,9 +348,10 @@ def sweep(
     progress: Callable[[str], None] | None = None,
     repeats: int = 1,
 ) -> dict[str, Any]:
-    """Throughput and per-request latency at each batch size: plain and every method, back to back per size,
-    `repeats` rounds with the order rotated each round (a method's speedup is the median of its per-round
-    ratios to that round's plain run, so load drift on a shared machine hits both sides of each ratio).
+    """Throughput and per-request latency at each batch size: plain and every method pass-interleaved
+    (`interleave`: one pass of each in turn), `repeats` rounds with the order rotated each round (a method's
+    speedup is the median of its per-round ratios to that round's plain run, and within a round the machine's
+    load drift falls on the passes of both sides of each ratio alike).
 
     Rows are the prompts cycled to fill the batch. Returns the report's `batch_sweep` section: {"methods",
     "max_new_tokens", "rows": [{batch_size, plain_tok_s, plain_latency_s, methods: {name: {tok_s, speedup,
@@ -340,6 +384,7 @@ def sweep(
                    for m in methods},
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
+        "timing": "plain and every method pass-interleaved in each round, each timed over its own passes",
         "greedy": True,
         "tokens_per_s": "decode only (prefill excluded), all rows together",
         "latency": "mean per-request decode seconds (until a row has all its tokens)",

@@ -241,6 +241,11 @@ MUTANTS: list[Mutant] = [
            "                    per_depth[d] += reach\n",
            "                    per_depth[d] = max(per_depth[d], reach)\n",
            ("tests/test_batch.py", "-k", "gate_bound"), quick=True),
+    # the sweep runs plain and the methods back to back again: a machine's drift decides their ratio
+    Mutant("sweep_runs_back_to_back", "eval/batch.py",
+           "        results = interleave([run for _, run, _, _ in started])",
+           "        results = [interleave([run])[0] for _, run, _, _ in started]",
+           ("tests/test_batch.py", "-k", "plain_speed_under_drift")),
     Mutant("ragged_keep_leaks_a_rejected_slot", "data/kvcache.py",
            "            kept[r, :len(p)] = 1",
            "            kept[r, :len(p) + 1] = 1",

@@ -17,8 +17,9 @@ from test_policy import PROMPT4, head4, vocab4_model  # noqa: F401  (fixtures)
 
 import eval.decoder as decoder
 from data.config import load_config
+from data.kvcache import DynamicKV
 from data.tokenize import left_pad
-from eval.batch import Method, batched_generate, sweep
+from eval.batch import BatchRun, Method, batched_generate, interleave, sweep
 from eval.costs import DraftCost, VerifyCost
 from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter
 from eval.policy import AdaptivePolicy, LoadAware
@@ -393,6 +394,61 @@ def test_sweep_keeps_one_gate_per_load_aware_method(tiny_target, monkeypatch):
                 repeats=2)
     assert len(made) == 1 and seen == {id(made[0])}
     assert sum(r["methods"]["aware"]["gated_drafts"] for r in out["rows"]) <= made[0].gated
+
+
+class Idle:
+    """A drafter that never proposes anything: its runs do a plain run's work."""
+
+    capture_layers = None
+
+    def begin(self, prompt_ids, features, next_token):
+        pass
+
+    def draft(self, k, temperature):
+        return DraftTree.chain(torch.empty(0, dtype=torch.long))
+
+    def commit(self, accepted, features, next_token):
+        pass
+
+
+def _drifting_clock(monkeypatch) -> None:
+    """eval.batch's clock advances only inside target forwards, each 5% slower than the one before: a
+    machine slowing down steadily under load."""
+    import eval.batch as batch_mod
+
+    clock = {"t": 0.0, "calls": 0}
+    real_run = DynamicKV.run
+
+    def slow_run(self, *a, **kw):
+        clock["calls"] += 1
+        clock["t"] += 1.05 ** clock["calls"]
+        return real_run(self, *a, **kw)
+
+    monkeypatch.setattr(DynamicKV, "run", slow_run)
+    monkeypatch.setattr(batch_mod, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock["t"])}))
+
+
+def test_interleaved_runs_share_the_drift_that_back_to_back_runs_split(tiny_target, monkeypatch):
+    model, tok, _ = tiny_target
+    prompts = _prompts(tok, 2)
+    _drifting_clock(monkeypatch)
+    first, second = (batched_generate(model, prompts, 10, tok.pad_token_id) for _ in range(2))
+    assert second.decode_s / first.decode_s > 1.5  # the same work, back to back: the drift decides
+    a, b = interleave([BatchRun(model, prompts, 10, tok.pad_token_id) for _ in range(2)])
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.tokens, first.tokens)
+    assert b.decode_s / a.decode_s == pytest.approx(1.0, abs=0.06)
+
+
+def test_sweep_times_a_method_doing_plain_work_at_plain_speed_under_drift(tiny_target, monkeypatch):
+    """A drafter that never drafts costs what plain costs; the sweep must say ~1.0x on a drifting machine
+    (back-to-back runs read about 0.6x or 1.6x, by round order)."""
+    model, tok, _ = tiny_target
+    prompts = _prompts(tok, 2)
+    _drifting_clock(monkeypatch)
+    out = sweep(model, prompts, tok.pad_token_id, [1, 2], [Method("idle", 3, Idle)], max_new_tokens=10)
+    for r in out["rows"]:
+        for s in r["methods"]["idle"]["speedups"]:
+            assert s == pytest.approx(1.0, abs=0.06), r
 
 
 def _batched_pvalue(model, draft_model, rows: int, batches: int) -> float:
