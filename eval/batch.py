@@ -53,7 +53,7 @@ from eval.decoder import DraftPolicy, GenerationStats, draft_pass, judge, record
 from eval.policy import LoadAware
 from heads.base import Drafter, DraftTree, Features
 
-__all__ = ["BatchResult", "BatchRun", "Method", "batched_generate", "interleave", "sweep"]
+__all__ = ["BatchResult", "BatchRun", "Method", "batched_generate", "interleave_batches", "sweep"]
 
 _EMPTY = DraftTree.chain(torch.empty(0, dtype=torch.long))  # a row that drafts nothing this pass
 
@@ -138,7 +138,7 @@ def _begin(rows: list[_Row], kv: DynamicKV, ids: torch.Tensor, mask: torch.Tenso
 class BatchRun:
     """One batched generation, a pass at a time (see the module doc): set up and prefilled (untimed) on
     construction; `step()` runs one timed pass; `result()` once `done`. `batched_generate` runs one to the end;
-    `interleave` advances several pass by pass, so that each one's seconds are its own passes' and load drift
+    `interleave_batches` advances several pass by pass, so that each one's seconds are its own passes' and load drift
     on a shared machine falls on all of them alike."""
 
     @torch.no_grad()
@@ -225,7 +225,7 @@ class BatchRun:
                            [r.stats for r in self.rows], self.forward_s)
 
 
-def interleave(runs: Sequence[BatchRun]) -> list[BatchResult]:
+def interleave_batches(runs: Sequence[BatchRun]) -> list[BatchResult]:
     """Advance `runs` one pass each in turn until all are done; their results in order. Each run's seconds
     are its own passes', taken alternately, so a slow spell of the machine (measured: one plain batch-8
     configuration at 110 and then 76 tok/s minutes apart) lands on every run's passes, not on whichever
@@ -254,7 +254,7 @@ def batched_generate(
     """Decode every prompt row for exactly `max_new_tokens` tokens (see the module doc); plain when k == 0 and no
     policy. make_policy: a fresh per-row policy (eval.decoder.DraftPolicy); load: the batch's load-aware pricing
     and gate (needs make_policy). Sampled rows (temperature > 0) draw with generator seed + row index."""
-    return interleave([BatchRun(model, prompts, max_new_tokens, pad_id, k, make_drafter, make_policy, load,
+    return interleave_batches([BatchRun(model, prompts, max_new_tokens, pad_id, k, make_drafter, make_policy, load,
                                 temperature, top_k, top_p, seed)])[0]
 
 
@@ -291,7 +291,7 @@ def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, method
                max_new_tokens: int, loads: dict[str, LoadAware], repeats: int,
                progress: Callable[[str], None] | None) -> dict[str, Any]:
     """One batch size of the sweep: `repeats` rounds, each running plain and every method pass-interleaved
-    (`interleave`, the order rotated from round to round); a load-aware method's gate is its one LoadAware of
+    (`interleave_batches`, the order rotated from round to round); a load-aware method's gate is its one LoadAware of
     the sweep (`loads`)."""
     order: list[Method | None] = [None, *methods]  # None = plain
     runs: dict[str, list[tuple[BatchResult, int]]] = {"plain": [], **{m.name: [] for m in methods}}
@@ -306,7 +306,7 @@ def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, method
             started.append((m.name, BatchRun(model, batch, max_new_tokens, pad_id, k=m.k, make_drafter=m.make_drafter,
                                              make_policy=m.make_policy, load=load), load,
                             load.gated if load is not None else 0))
-        results = interleave([run for _, run, _, _ in started])
+        results = interleave_batches([run for _, run, _, _ in started])
         for (name, _, load, gated), res in zip(started, results):
             runs[name].append((res, load.gated - gated if load is not None else 0))
     plain = [r for r, _ in runs["plain"]]
@@ -349,7 +349,7 @@ def sweep(
     repeats: int = 1,
 ) -> dict[str, Any]:
     """Throughput and per-request latency at each batch size: plain and every method pass-interleaved
-    (`interleave`: one pass of each in turn), `repeats` rounds with the order rotated each round (a method's
+    (`interleave_batches`: one pass of each in turn), `repeats` rounds with the order rotated each round (a method's
     speedup is the median of its per-round ratios to that round's plain run, and within a round the machine's
     load drift falls on the passes of both sides of each ratio alike).
 

@@ -37,6 +37,10 @@ what this request has accepted so far (0 = a plain one-token pass; the drafter s
 so it stays in sync and can draft again later). The policy only decides WHAT is drafted, never how it is
 judged, so the output is the same whatever it chooses (tests/test_policy.py, down to a random policy).
 
+Several generations side by side: `plain_steps` and `speculative_steps` are the same loops a pass at a time,
+and `interleave` runs them one pass each in turn, each timed over its own passes (the eval's turns: plain and
+every method on one turn, so that a slow spell of the machine falls on all of them alike).
+
 KV cache (`cache=`): "dynamic" is transformers' DynamicCache; "static" preallocates every layer and, on CUDA,
 replays each verify size as a captured CUDA graph (data.kvcache, which also owns the rollback). Both give the
 same tokens; the exactness tests run on both.
@@ -45,7 +49,7 @@ same tokens; the exactness tests run on both.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -62,12 +66,15 @@ __all__ = [
     "GenerationStats",
     "Verdict",
     "draft_pass",
+    "interleave",
     "judge",
     "plain_generate",
+    "plain_steps",
     "record_verdict",
     "residual_distribution",
     "sample_token",
     "speculative_generate",
+    "speculative_steps",
     "target_distribution",
     "verify_tree",
 ]
@@ -166,6 +173,10 @@ class GenerationStats:
         d.update(tau=self.tau, acceptance_rates=self.acceptance_rates, draft_rate=self.draft_rate,
                  tokens_per_s=self.tokens_per_s, decode_time_s=self.decode_time_s)
         return d
+
+
+# A generation a pass at a time: yields after the prefill and each pass, returns (new ids, stats) (`interleave`).
+Steps = Generator[None, None, tuple[torch.Tensor, GenerationStats]]
 
 
 def _add_counts(a: dict, b: dict) -> dict:
@@ -285,6 +296,41 @@ def _truncate_at_eos(tokens: list[int], eos: frozenset[int]) -> tuple[list[int],
 
 
 @torch.no_grad()
+@torch.no_grad()
+def plain_steps(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    cache: str | KVCache = "dynamic",
+) -> Steps:
+    """`plain_generate` a pass at a time (see `interleave`): yields after the prefill and after every pass."""
+    ids = _check_inputs(input_ids, max_new_tokens)
+    eos = _eos_set(eos_token_id)
+    stats = GenerationStats(generations=1)
+    t0 = time.perf_counter()
+    kv = new_kv(model, cache, room=ids.shape[1] + max_new_tokens)
+    logits, _ = kv.run(ids, logits_to_keep=1)
+    kv.keep(range(ids.shape[1]))
+    out = [_next_token(logits[0, -1], temperature, top_k, top_p, generator)]
+    stats.prefill_time_s = time.perf_counter() - t0
+    yield
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        tv = time.perf_counter()
+        logits, _ = kv.run(torch.tensor([[out[-1]]]), logits_to_keep=1)
+        kv.keep([0])
+        out.append(_next_token(logits[0, -1], temperature, top_k, top_p, generator))
+        stats.verify_time_s += time.perf_counter() - tv
+        stats.record_pass(0, 0, 0, 0)
+        yield
+    stats.new_tokens = len(out)
+    return torch.tensor(out, dtype=torch.long), stats
+
+
 def plain_generate(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -300,25 +346,31 @@ def plain_generate(
 
     Returns (new token ids [n] long, stats with tau 1). Stops after an eos token (kept) or max_new_tokens.
     """
-    ids = _check_inputs(input_ids, max_new_tokens)
-    eos = _eos_set(eos_token_id)
-    stats = GenerationStats(generations=1)
-    t0 = time.perf_counter()
-    kv = new_kv(model, cache, room=ids.shape[1] + max_new_tokens)
-    logits, _ = kv.run(ids, logits_to_keep=1)
-    kv.keep(range(ids.shape[1]))
-    out = [_next_token(logits[0, -1], temperature, top_k, top_p, generator)]
-    stats.prefill_time_s = time.perf_counter() - t0
-    while len(out) < max_new_tokens and out[-1] not in eos:
-        tv = time.perf_counter()
-        logits, _ = kv.run(torch.tensor([[out[-1]]]), logits_to_keep=1)
-        kv.keep([0])
-        out.append(_next_token(logits[0, -1], temperature, top_k, top_p, generator))
-        stats.verify_time_s += time.perf_counter() - tv
-        stats.record_pass(0, 0, 0, 0)
-    stats.new_tokens = len(out)
-    stats.total_time_s = time.perf_counter() - t0
-    return torch.tensor(out, dtype=torch.long), stats
+    return interleave([plain_steps(model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                                   generator, cache)])[0]
+
+
+def interleave(runs: Sequence[Steps]) -> list[tuple[torch.Tensor, GenerationStats]]:
+    """Run generations (`plain_steps`, `speculative_steps`) one step each in turn until all are done; their
+    (new ids, stats) in order, each stats.total_time_s the seconds of its own steps. Methods compared on one
+    turn (eval.turns) run this way so that a slow spell of the machine falls on all of their passes alike,
+    not on whichever ran during it (tests/test_decoder.py plants a drift); one run alone is the ordinary
+    loop (`plain_generate`, `speculative_generate`)."""
+    results: list[Any] = [None] * len(runs)
+    spent = [0.0] * len(runs)
+    live = list(range(len(runs)))
+    while live:
+        for i in list(live):
+            t = time.perf_counter()
+            try:
+                next(runs[i])
+            except StopIteration as stop:
+                results[i] = stop.value
+                live.remove(i)
+            spent[i] += time.perf_counter() - t
+    for (_, stats), seconds in zip(results, spent):
+        stats.total_time_s = seconds
+    return results
 
 
 def draft_pass(drafter: Drafter, policy: DraftPolicy | None, k: int, budget: int, temperature: float,
@@ -389,6 +441,76 @@ def _record(stats: GenerationStats, tree: DraftTree, accepted: list[int]) -> Non
 
 
 @torch.no_grad()
+def speculative_steps(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    drafter: Drafter,
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    cache: str | KVCache = "dynamic",
+    policy: DraftPolicy | None = None,
+) -> Steps:
+    """`speculative_generate` a pass at a time (see `interleave`): yields after the prefill and every pass."""
+    ids = _check_inputs(input_ids, max_new_tokens)
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if policy is not None:
+        policy.reset(k)
+    uses_drafter = k > 0 or policy is not None
+    eos = _eos_set(eos_token_id)
+    stats = GenerationStats(generations=1)
+    perf = time.perf_counter
+    t0 = perf()
+    kv = new_kv(model, cache, drafter.capture_layers, room=ids.shape[1] + max_new_tokens + k + 64)
+    logits, feats = kv.run(ids, logits_to_keep=1)
+    kv.keep(range(ids.shape[1]))
+    out = [_next_token(logits[0, -1], temperature, top_k, top_p, generator)]
+    stats.prefill_time_s = perf() - t0
+    done = out[-1] in eos or len(out) >= max_new_tokens
+    if uses_drafter and not done:  # k = 0 without a policy is plain decoding: the drafter is never asked
+        td = perf()
+        drafter.begin(ids, feats, out[-1])
+        stats.draft_time_s += perf() - td
+    yield
+    while not done:
+        td = perf()
+        # Never draft past max_new_tokens: the pass itself always adds one token.
+        tree = draft_pass(drafter, policy, k, max_new_tokens - len(out) - 1, temperature, stats)
+        tv = perf()
+        stats.draft_time_s += tv - td
+        # Built where the drafter left its tokens; the cache moves them (a static one without a host sync).
+        logits, feats = kv.run(torch.cat([tree.tokens.new_tensor([out[-1]]), tree.tokens])[None], tree.parents)
+        verdict = judge(tree, logits[0], temperature, top_k, top_p, generator)
+        accepted, nxt, path = verdict.accepted, verdict.next_token, verdict.path
+        # The pass added the root (kept) and the nodes (keep the accepted ones, packed after the root).
+        kv.keep(path)
+        verify_s = perf() - tv
+        stats.verify_time_s += verify_s
+        record_verdict(stats, policy, tree, verdict, verify_s)
+        new, done = _truncate_at_eos(verdict.tokens, eos)
+        out.extend(new)
+        if len(out) >= max_new_tokens:
+            del out[max_new_tokens:]
+            done = True
+        if not done and uses_drafter:
+            tc = perf()
+            # Features of [root, accepted...] in path order: rows 0 and a+1 of this pass; a chain's path is a
+            # prefix of the rows, taken as a view (no index copy, no index tensor: most passes are chains)
+            if feats is not None:
+                feats = feats.slice(0, len(path)) if path[-1] == len(path) - 1 else \
+                    feats.index(torch.tensor(path, device=ids.device))
+            drafter.commit(accepted, feats, nxt)
+            stats.draft_time_s += perf() - tc
+        yield
+    stats.new_tokens = len(out)
+    return torch.tensor(out, dtype=torch.long), stats
+
+
 def speculative_generate(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -413,51 +535,5 @@ def speculative_generate(
     plain_generate with the same arguments. cache: "dynamic", "static" (data.kvcache; static forwards are
     CUDA graphs on CUDA) or a cache object to reuse (see `new_kv`).
     """
-    ids = _check_inputs(input_ids, max_new_tokens)
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    if policy is not None:
-        policy.reset(k)
-    uses_drafter = k > 0 or policy is not None
-    eos = _eos_set(eos_token_id)
-    stats = GenerationStats(generations=1)
-    perf = time.perf_counter
-    t0 = perf()
-    kv = new_kv(model, cache, drafter.capture_layers, room=ids.shape[1] + max_new_tokens + k + 64)
-    logits, feats = kv.run(ids, logits_to_keep=1)
-    kv.keep(range(ids.shape[1]))
-    out = [_next_token(logits[0, -1], temperature, top_k, top_p, generator)]
-    stats.prefill_time_s = perf() - t0
-    done = out[-1] in eos or len(out) >= max_new_tokens
-    if uses_drafter and not done:  # k = 0 without a policy is plain decoding: the drafter is never asked
-        td = perf()
-        drafter.begin(ids, feats, out[-1])
-        stats.draft_time_s += perf() - td
-    while not done:
-        td = perf()
-        # Never draft past max_new_tokens: the pass itself always adds one token.
-        tree = draft_pass(drafter, policy, k, max_new_tokens - len(out) - 1, temperature, stats)
-        tv = perf()
-        stats.draft_time_s += tv - td
-        # Built where the drafter left its tokens; the cache moves them (a static one without a host sync).
-        logits, feats = kv.run(torch.cat([tree.tokens.new_tensor([out[-1]]), tree.tokens])[None], tree.parents)
-        verdict = judge(tree, logits[0], temperature, top_k, top_p, generator)
-        accepted, nxt, path = verdict.accepted, verdict.next_token, verdict.path
-        # The pass added the root (kept) and the nodes (keep the accepted ones, packed after the root).
-        kv.keep(path)
-        verify_s = perf() - tv
-        stats.verify_time_s += verify_s
-        record_verdict(stats, policy, tree, verdict, verify_s)
-        new, done = _truncate_at_eos(verdict.tokens, eos)
-        out.extend(new)
-        if len(out) >= max_new_tokens:
-            del out[max_new_tokens:]
-            done = True
-        if not done and uses_drafter:
-            tc = perf()
-            # Features of [root, accepted...] in path order: rows 0 and a+1 of this pass.
-            drafter.commit(accepted, None if feats is None else feats.index(torch.tensor(path, device=ids.device)), nxt)
-            stats.draft_time_s += perf() - tc
-    stats.new_tokens = len(out)
-    stats.total_time_s = perf() - t0
-    return torch.tensor(out, dtype=torch.long), stats
+    return interleave([speculative_steps(model, input_ids, drafter, k, max_new_tokens, temperature, top_k, top_p,
+                                         eos_token_id, generator, cache, policy)])[0]

@@ -1,9 +1,11 @@
-"""The eval's turn loop: every question turn by turn at every temperature, all methods back to back per turn.
+"""The eval's turn loop: every question turn by turn at every temperature, all methods side by side per turn.
 
     runs = Turns(target, subject, costs, cfg.eval, seed, served).run(questions)   # [(temperature, Tally)]
 
-A later turn sees the target's own plain answer to the earlier ones; the first method rotates from turn to
-turn so machine noise and warm caches hit plain and speculative decoding alike. Every turn's sampling seed
+A later turn sees the target's own plain answer to the earlier ones. On each turn plain and the decoder's
+methods run pass-interleaved (eval.decoder.interleave: one pass of each in turn, each timed over its own
+passes), the first one rotating from turn to turn, so that machine noise hits plain and speculative decoding
+alike; transformers' prompt lookup runs whole after them. Every turn's sampling seed
 is data.sampling.turn_seed(seed, benchmark, question id, turn), regeneration's derivation. Called by
 eval.run.evaluate (python -m eval.run).
 """
@@ -23,7 +25,7 @@ from data.config import EvalConfig
 from data.regenerate import render_rows
 from data.sampling import turn_seed
 from eval.bench import Question
-from eval.decoder import GenerationStats, plain_generate, speculative_generate
+from eval.decoder import GenerationStats, Steps, interleave, plain_steps, speculative_steps
 from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter
 from eval.policy import AdaptivePolicy, LearnedVerifyCost, measured_prior
 from eval.tally import BASELINES, Tally
@@ -92,10 +94,10 @@ class Subject:
 
 @dataclass
 class Turns:
-    """The per-turn loop: every question turn by turn at every temperature, all methods back to back per turn.
+    """The per-turn loop: every question turn by turn at every temperature, all methods side by side per turn
+    (`turn`: pass-interleaved, the first one rotating from turn to turn; see the module docstring).
 
-    A later turn sees the target's own plain answer to the earlier ones; the first method rotates from turn
-    to turn so machine noise and warm caches hit plain and speculative decoding alike. With `served` (a dict,
+    A later turn sees the target's own plain answer to the earlier ones. With `served` (a dict,
     --engine vllm) every turn's prompt ids and seed are collected per (temperature, benchmark) for vLLM.
     """
 
@@ -141,7 +143,7 @@ class Turns:
                 self.served.setdefault((f"{temp:g}", bench), []).append((ids[0].tolist(), seed))
             order = ["plain"] + methods
             r = self.turn_index % len(order)  # rotate who goes first: noise and warm caches hit all alike
-            results = {name: self.generate(name, ids, temp, seed) for name in order[r:] + order[:r]}
+            results = self.turn(order[r:] + order[:r], ids, temp, seed)
             plain_ids = results["plain"][0]
             for name, (new, st) in results.items():
                 same = bool(torch.equal(new.cpu(), plain_ids.cpu())) if temp == 0 else None
@@ -154,28 +156,44 @@ class Turns:
                                 f"(plain {results['plain'][1].tokens_per_s:.1f})")
             bar.update(1)
 
+    def turn(self, names: list[str], ids: torch.Tensor, temp: float,
+             seed: int) -> dict[str, tuple[torch.Tensor, GenerationStats]]:
+        """Every method on one turn, {name: (new ids, stats)}: the decoder's methods pass-interleaved
+        (eval.decoder.interleave, in the order given), then transformers' prompt lookup, which runs whole."""
+        ours = [n for n in names if n != "hf_prompt_lookup"]
+        results = dict(zip(ours, interleave([self.steps(n, ids, temp, seed) for n in ours])))
+        if "hf_prompt_lookup" in names:
+            results["hf_prompt_lookup"] = hf_prompt_lookup(self.target.model, ids, self.costs.k_ng,
+                                                           self.cfg.max_new_tokens, self.target.eos,
+                                                           self.target.tok.pad_token_id)
+        if "plain" in results:
+            self.observe_plain(results["plain"][1])
+        return {n: results[n] for n in names}
+
     def generate(self, name: str, ids: torch.Tensor, temp: float, seed: int) -> tuple[torch.Tensor, GenerationStats]:
-        """One method on one turn: (new ids, stats)."""
+        """One method on one turn, alone: (new ids, stats)."""
+        return self.turn([name], ids, temp, seed)[name]
+
+    def observe_plain(self, st: GenerationStats) -> None:
+        """Plain decoding is T(1) at this turn's context, timed beside the drafters: it anchors the price of not
+        drafting, which the probe alone set (one spell on it moved every choice) and which a policy that drafts
+        every pass would otherwise never time again."""
+        if st.target_passes:
+            self.learned.observe(1, st.verify_time_s / st.target_passes, weight=PLAIN_TURN_WEIGHT)
+
+    def steps(self, name: str, ids: torch.Tensor, temp: float, seed: int) -> Steps:
+        """One of the decoder's methods on one turn, a pass at a time (eval.decoder.Steps)."""
         model, eos, costs, max_new = self.target.model, self.target.eos, self.costs, self.cfg.max_new_tokens
         gen = torch.Generator(device="cpu").manual_seed(seed)
         common = dict(max_new_tokens=max_new, temperature=temp, eos_token_id=eos, generator=gen)
         if name == "plain":
-            new, st = plain_generate(model, ids, **common)
-            if st.target_passes:
-                # Plain decoding is T(1) at this turn's context, timed beside the drafters: it anchors the
-                # price of not drafting, which the probe alone set (one spell on it moved every choice) and
-                # which a policy that drafts every pass would otherwise never time again.
-                self.learned.observe(1, st.verify_time_s / st.target_passes, weight=PLAIN_TURN_WEIGHT)
-            return new, st
-        if name == "hf_prompt_lookup":
-            return hf_prompt_lookup(model, ids, costs.k_ng, max_new, eos, self.target.tok.pad_token_id)
+            return plain_steps(model, ids, **common)
         if name == "ngram":
-            return speculative_generate(model, ids, NgramDrafter(), costs.k_ng, policy=self.policy_for(name),
-                                        **common)
+            return speculative_steps(model, ids, NgramDrafter(), costs.k_ng, policy=self.policy_for(name), **common)
         # Under a policy the head's commits wait while it does not draft (DeferredSync).
         drafter = HybridDrafter(self.make_head()) if name == self.subject.main and self.subject.hybrid else \
             DeferredSync(self.make_head()) if self.cfg.policy == "adaptive" else self.make_head()
-        return speculative_generate(model, ids, drafter, costs.k, policy=self.policy_for(name), **common)
+        return speculative_steps(model, ids, drafter, costs.k, policy=self.policy_for(name), **common)
 
     def policy_for(self, name: str) -> AdaptivePolicy | None:
         """A fresh per-request policy for a method (None: fixed k); the n-gram baseline keeps its fixed k."""

@@ -243,9 +243,14 @@ MUTANTS: list[Mutant] = [
            ("tests/test_batch.py", "-k", "gate_bound"), quick=True),
     # the sweep runs plain and the methods back to back again: a machine's drift decides their ratio
     Mutant("sweep_runs_back_to_back", "eval/batch.py",
-           "        results = interleave([run for _, run, _, _ in started])",
-           "        results = [interleave([run])[0] for _, run, _, _ in started]",
+           "        results = interleave_batches([run for _, run, _, _ in started])",
+           "        results = [interleave_batches([run])[0] for _, run, _, _ in started]",
            ("tests/test_batch.py", "-k", "plain_speed_under_drift")),
+    # a turn's methods run back to back again: a machine's drift decides the eval's speedups
+    Mutant("turn_methods_back_to_back", "eval/turns.py",
+           "        results = dict(zip(ours, interleave([self.steps(n, ids, temp, seed) for n in ours])))",
+           "        results = {n: interleave([self.steps(n, ids, temp, seed)])[0] for n in ours}",
+           ("tests/test_policy.py", "-k", "pass_interleaved")),
     Mutant("ragged_keep_leaks_a_rejected_slot", "data/kvcache.py",
            "            kept[r, :len(p)] = 1",
            "            kept[r, :len(p) + 1] = 1",

@@ -19,7 +19,7 @@ import eval.decoder as decoder
 from data.config import load_config
 from data.kvcache import DynamicKV
 from data.tokenize import left_pad
-from eval.batch import BatchRun, Method, batched_generate, interleave, sweep
+from eval.batch import BatchRun, Method, batched_generate, interleave_batches, sweep
 from eval.costs import DraftCost, VerifyCost
 from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter
 from eval.policy import AdaptivePolicy, LoadAware
@@ -434,7 +434,7 @@ def test_interleaved_runs_share_the_drift_that_back_to_back_runs_split(tiny_targ
     _drifting_clock(monkeypatch)
     first, second = (batched_generate(model, prompts, 10, tok.pad_token_id) for _ in range(2))
     assert second.decode_s / first.decode_s > 1.5  # the same work, back to back: the drift decides
-    a, b = interleave([BatchRun(model, prompts, 10, tok.pad_token_id) for _ in range(2)])
+    a, b = interleave_batches([BatchRun(model, prompts, 10, tok.pad_token_id) for _ in range(2)])
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.tokens, first.tokens)
     assert b.decode_s / a.decode_s == pytest.approx(1.0, abs=0.06)
 

@@ -29,8 +29,11 @@ from eval.costs import (
     predicted_speedup,
 )
 from eval.decoder import (
+    interleave,
     plain_generate,
+    plain_steps,
     speculative_generate,
+    speculative_steps,
     target_distribution,
     verify_tree,
 )
@@ -273,6 +276,37 @@ def test_eos_and_max_new_tokens_match_plain(target, prompt, reference, eos_at):
 def test_plain_generate_matches_hf(target, prompt, reference, cache):
     out, st = plain_generate(target, prompt, MAX_NEW, cache=cache)
     assert out.tolist() == reference.tolist() and st.tau == 1.0 and st.target_passes == MAX_NEW - 1
+
+
+def drifting_clock(monkeypatch, rate: float = 1.03) -> None:
+    """eval.decoder's clock advances only inside target forwards, each `rate` times slower than the one before:
+    a machine slowing down steadily under load."""
+    import eval.decoder as decoder_mod
+
+    clock = {"t": 0.0, "calls": 0}
+    real_run = DynamicKV.run
+
+    def slow_run(self, *a, **kw):
+        clock["calls"] += 1
+        clock["t"] += rate ** clock["calls"]
+        return real_run(self, *a, **kw)
+
+    monkeypatch.setattr(DynamicKV, "run", slow_run)
+    monkeypatch.setattr(decoder_mod, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock["t"])}))
+
+
+def test_interleaved_generations_share_the_drift_that_back_to_back_ones_split(target, prompt, reference,
+                                                                              monkeypatch):
+    drifting_clock(monkeypatch)
+    n = 12
+    first, second = (plain_generate(target, prompt, n)[1] for _ in range(2))
+    assert second.total_time_s / first.total_time_s > 1.3  # the same work, back to back: the drift decides
+    (a_ids, a), (b_ids, b), (s_ids, s) = interleave([plain_steps(target, prompt, n), plain_steps(target, prompt, n),
+                                                     speculative_steps(target, prompt, NgramDrafter(), 3, n)])
+    for ids in (a_ids, b_ids, s_ids):
+        assert torch.equal(ids, reference[:n])
+    assert b.total_time_s / a.total_time_s == pytest.approx(1.0, abs=0.04)
+    assert a.target_passes == n - 1 and s.new_tokens == n
 
 
 def test_gemma3_sliding_window_trees(prompt, cache):

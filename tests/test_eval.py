@@ -58,15 +58,15 @@ def test_evaluate_head_writes_report(tmp_path, tiny_target, monkeypatch):
     folder = _head(tmp_path, tiny_target, "head")
     prompts: list[torch.Tensor] = []
     answers: list[torch.Tensor] = []
-    real_plain = turns.plain_generate
+    real_plain = turns.plain_steps
 
-    def spy(m, ids, **kw):
-        out = real_plain(m, ids, **kw)
+    def spy(m, ids, **kw):  # plain decoding a pass at a time, as the turn loop runs it (eval.decoder.interleave)
+        out = yield from real_plain(m, ids, **kw)
         prompts.append(ids[0].clone())
         answers.append(out[0].clone())
         return out
 
-    monkeypatch.setattr(turns, "plain_generate", spy)
+    monkeypatch.setattr(turns, "plain_steps", spy)
     out = tmp_path / "ev"
     report = run.evaluate(folder, _cfg(temperature=[0.0, 1.0]), out, TargetConfig(name_or_path="tiny-random-llama"),
                           loaded=tiny_target, sweep_new_tokens=5, log=lambda s: None)

@@ -382,6 +382,31 @@ def test_plain_turns_anchor_the_learned_single_token_cost(tiny_target):
     assert turns.learned(1) == pytest.approx(blended) and turns.learned(1) < 3.0
 
 
+def test_a_turn_runs_its_methods_pass_interleaved(tiny_target, monkeypatch):
+    """eval.turns.Turns.turn runs plain and the decoder's methods side by side, one pass each in turn: on a
+    machine that slows down steadily, two methods doing the same work time alike (back to back, the second
+    would read about 1.5x slower)."""
+    from types import SimpleNamespace
+
+    from test_decoder import drifting_clock
+
+    from eval.decoder import plain_steps
+    from eval.turns import Target, Turns, prompt_ids
+
+    model, tok, io = tiny_target
+    probe = VerifyCost({1: 0.05, 2: 0.05, 4: 0.05}, 64)
+    subject = SimpleNamespace(factory=lambda k: (lambda: None))
+    turns = Turns(Target(model, tok, io, torch.device("cpu"), [tok.eos_token_id]), subject,
+                  SimpleNamespace(k=2, verify=probe), SimpleNamespace(max_new_tokens=12), 0, None)
+    ids = prompt_ids(tok, [{"role": "user", "content": "Hello"}], torch.device("cpu"))
+    drifting_clock(monkeypatch, 1.04)
+    # every method does plain's work here, so only the timing can tell them apart
+    monkeypatch.setattr(Turns, "steps", lambda self, name, ids, temp, seed: plain_steps(model, ids, 12))
+    out = turns.turn(["plain", "same"], ids, 0.0, 0)
+    assert list(out) == ["plain", "same"] and torch.equal(out["plain"][0], out["same"][0])
+    assert out["same"][1].total_time_s / out["plain"][1].total_time_s == pytest.approx(1.0, abs=0.05)
+
+
 def test_policy_stops_drafting_when_its_timed_passes_are_slow():
     # The probe says verifying is free, so a 0.6-accepted draft pays; the run's own passes say a 4-token pass
     # costs five plain ones, which no acceptance below 1 repays. Two policies share the learner (as eval.run's
