@@ -4,17 +4,18 @@
     python scripts/bench_batch.py --batch-sizes 1,4,16 --new-tokens 48 --repeats 5   # a fresh EAGLE-3 head
 
 Where the policy turns drafting off, speculative decoding must cost what plain decoding costs. Per prompt and
-repeat, interleaved (plain first, then the drafting-off run, then swapped), this times:
-  single   eval.decoder.plain_generate against speculative_generate with the head's drafter (DeferredSync, as
+repeat, the two runs pass-interleaved (one pass of each in turn, each timed over its own passes; plain steps
+first, then second, alternating by repeat), this times:
+  single   eval.decoder.plain_steps against speculative_steps with the head's drafter (DeferredSync, as
            eval.run wraps it) under an AdaptivePolicy whose prior says the head never helps and that never
            re-probes: every pass drafts nothing, so the head never runs, but the target pass still captures
            the head's layers (the features the head catches up on when it drafts again)
-  batch B  eval.batch.batched_generate plain against the same head + n-gram hybrid under eval.policy.LoadAware
+  batch B  eval.batch.BatchRun plain against the same head + n-gram hybrid under eval.policy.LoadAware
            with a cost surface on which no draft pays (T(B, n) = n * T(B, 1)): every pass gated to plain
 Reported per setting: seconds per pass (decode time / passes, median over repeats) of both, the median of
 the per-repeat ratios (`off_vs_plain`, the bound is 1.01) with their range, and whether the tokens are
-identical. On a noisy machine whole runs drift by more than the bound, so the drafting-off pass is also taken
-apart into what it adds, each part measured without that drift: the seconds per pass outside the target's
+identical. Interleaving puts a machine's drift on both runs alike; the drafting-off pass is also taken apart
+into what it adds: the seconds per pass outside the target's
 forward (drafting, gating, commits, bookkeeping) of both runs, and the forward with the head's capture
 against the forward without it, timed pass by pass alternately. Without --head a fresh EAGLE-3 head of
 configs/smollm2-135m.yaml's shape is built on the target (its weights do not matter: it never drafts).
@@ -48,9 +49,9 @@ from data.config import TargetConfig, load_config  # noqa: E402
 from data.kvcache import timed_pass  # noqa: E402
 from data.regenerate import render_rows  # noqa: E402
 from data.target import load_target  # noqa: E402
-from eval.batch import batched_generate  # noqa: E402
+from eval.batch import BatchRun, interleave_batches  # noqa: E402
 from eval.costs import DraftCost, VerifyCost, context_cache  # noqa: E402
-from eval.decoder import plain_generate, speculative_generate  # noqa: E402
+from eval.decoder import interleave, plain_steps, speculative_steps  # noqa: E402
 from eval.drafters import DeferredSync, HybridDrafter  # noqa: E402
 from eval.policy import AdaptivePolicy, LoadAware  # noqa: E402
 from heads import registry  # noqa: E402
@@ -67,35 +68,35 @@ def _never(sources: tuple[str, ...]) -> AdaptivePolicy:
                           probe_every=10**9)
 
 
-def _both(first_plain: bool, plain, off):
-    """Run the two in the repeat's order (alternating, so drift on a shared machine hits both alike)."""
-    if first_plain:
-        a = plain()
-        return a, off()
-    b = off()
-    return plain(), b
-
-
 def _single(model, ids, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int, None]:
-    """(plain seconds per pass, drafting-off seconds per pass, identical, drafted tokens, None) for one prompt."""
-    (plain_ids, ps), (off_ids, os_) = _both(
-        first_plain, lambda: plain_generate(model, ids, n),
-        lambda: speculative_generate(model, ids, DeferredSync(make_head()), 0, n, policy=_never(("draft",))))
+    """(plain seconds per pass, drafting-off seconds per pass, identical, drafted tokens, None) for one prompt,
+    the two pass-interleaved (eval.decoder.interleave), the first one alternating between repeats."""
+    runs = [plain_steps(model, ids, n),
+            speculative_steps(model, ids, DeferredSync(make_head()), 0, n, policy=_never(("draft",)))]
+    (plain_ids, ps), (off_ids, os_) = _ordered(interleave, runs, first_plain)
     return (ps.decode_time_s / ps.target_passes, os_.decode_time_s / os_.target_passes,
             bool(torch.equal(plain_ids, off_ids)), os_.drafted_tokens, None)
 
 
 def _batched(model, rows, pad, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int, tuple]:
-    """As _single, with (plain, drafting-off) seconds per pass outside the target's forward last."""
+    """As _single (eval.batch.interleave_batches), with (plain, drafting-off) seconds per pass outside the
+    target's forward last."""
     b = len(rows)
     steep = {b: VerifyCost({m: m * 0.05 for m in (1, 2, 4, 8, 17)}, context_len=0)}
-    plain, off = _both(
-        first_plain, lambda: batched_generate(model, rows, n, pad),
-        lambda: batched_generate(model, rows, n, pad, k=4, make_drafter=lambda: HybridDrafter(make_head()),
-                                 make_policy=lambda: _never(("head", "ngram")), load=LoadAware(steep)))
+    runs = [BatchRun(model, rows, n, pad),
+            BatchRun(model, rows, n, pad, k=4, make_drafter=lambda: HybridDrafter(make_head()),
+                     make_policy=lambda: _never(("head", "ngram")), load=LoadAware(steep))]
+    plain, off = _ordered(interleave_batches, runs, first_plain)
     return (plain.decode_s / plain.passes, off.decode_s / off.passes, bool(torch.equal(plain.tokens, off.tokens)),
             off.stats.drafted_tokens, ((plain.decode_s - plain.forward_s) / plain.passes,
                                        (off.decode_s - off.forward_s) / off.passes))
+
+
+def _ordered(run_all, runs: list, first_plain: bool) -> list:
+    """run_all(runs) with plain stepping first or second (alternating by repeat); results as [plain, off]."""
+    if first_plain:
+        return run_all(runs)
+    return run_all(runs[::-1])[::-1]
 
 
 def _head_factory(args, io, device, dtype):
@@ -122,7 +123,7 @@ def _measure(name: str, b: int, fn, repeats: int) -> dict:
             outside.append(x)
     pm, om = statistics.median(plain), statistics.median(off)
     ratios = sorted(o / p for o, p in zip(off, plain))
-    # the ratio of each repeat's pair (run back to back), then their median: drift between repeats cancels;
+    # the ratio of each repeat's pair (pass-interleaved), then their median: drift between repeats cancels;
     # the spread of the ratios says how far the machine's noise lets that median be trusted
     row = {"setting": name, "batch_size": b, "plain_pass_ms": 1000 * pm, "off_pass_ms": 1000 * om,
            "off_vs_plain": statistics.median(ratios), "off_vs_plain_range": [ratios[0], ratios[-1]],
