@@ -357,6 +357,11 @@ def _between(surface: Mapping[int, VerifyCost], batch: int) -> VerifyCost:
     return VerifyCost(seconds, surface[lo].context_len)
 
 
+# Passes at most left plain without pricing after pricings that ended plain (LoadAware's back-off): bounds the
+# drafting chances it can miss (an n-gram match that appears meanwhile) to 7 passes.
+MAX_BACKOFF = 7
+
+
 class LoadAware:
     """Load-aware drafting for a batch (eval.batch): every row's AdaptivePolicy priced by its share of the
     batch pass, then a gate on the batch's throughput.
@@ -389,6 +394,7 @@ class LoadAware:
         self.gated = 0
         self._realised: dict[int, tuple[float, float]] = {}  # batch -> (decayed sum of ratios, decayed count)
         self._planned: tuple[int, float] | None = None  # the last drafting pass: (batch, predicted tokens/s)
+        self._backoff: dict[int, tuple[int, int]] = {}  # batch -> (passes left unpriced, plain pricings in a row)
 
     def realised(self, batch: int) -> float:
         """Realised over predicted tokens/s of this batch size's drafting passes so far. A size with none yet
@@ -451,6 +457,10 @@ class LoadAware:
         b = len(rows)
         curve = self.curve(b)
         self._planned = None
+        left, streak = self._backoff.get(b, (0, 0))
+        if left:  # backing off after passes the full pricing made plain (see the class docstring)
+            self._backoff[b] = (left - 1, streak)
+            return [dict.fromkeys(getattr(drafter, "SOURCES", ("draft",)), 0) for drafter, _ in rows]
         if self.cannot_pay(rows, budgets):
             return [dict.fromkeys(getattr(drafter, "SOURCES", ("draft",)), 0) for drafter, _ in rows]
         share = RowShare(curve, b)
@@ -473,4 +483,7 @@ class LoadAware:
                 choices[i] = dict.fromkeys(choices[i], 0)
                 self.gated += 1
         self._planned = (b, predicted) if best_w else None
+        # A pricing that ends plain is likely to end plain again (nothing it learns from changed): skip the next
+        # 1, 3, 7, 7, ... passes' pricing at this batch size; any pass that drafts resets it.
+        self._backoff[b] = (0, 0) if best_w else (min(2 ** (streak + 1) - 1, MAX_BACKOFF), streak + 1)
         return choices

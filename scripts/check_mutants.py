@@ -251,6 +251,11 @@ MUTANTS: list[Mutant] = [
            "        results = dict(zip(ours, interleave([self.steps(n, ids, temp, seed) for n in ours])))",
            "        results = {n: interleave([self.steps(n, ids, temp, seed)])[0] for n in ours}",
            ("tests/test_policy.py", "-k", "pass_interleaved")),
+    # the gate prices every pass again after pricings that ended plain (a percent of a batch-1 pass each)
+    Mutant("gate_never_backs_off", "eval/policy.py",
+           "        self._backoff[b] = (0, 0) if best_w else (min(2 ** (streak + 1) - 1, MAX_BACKOFF), streak + 1)",
+           "        self._backoff[b] = (0, 0)",
+           ("tests/test_batch.py", "-k", "backs_off")),
     Mutant("ragged_keep_leaks_a_rejected_slot", "data/kvcache.py",
            "            kept[r, :len(p)] = 1",
            "            kept[r, :len(p) + 1] = 1",

@@ -330,6 +330,41 @@ def test_gate_bound_consults_no_policy_when_nothing_can_pay():
         flat.choose([(object(), refusing(0.9)) for _ in range(16)], [8] * 16)
 
 
+def test_gate_backs_off_pricing_after_passes_it_made_plain():
+    """A pricing that ends plain is followed by 1, 3, then at most MAX_BACKOFF unpriced plain passes (pricing is
+    a percent of a batch-1 pass); a batch size that drafts again is priced every pass. Without the back-off the
+    40 passes below would price 40 times."""
+    from eval.policy import MAX_BACKOFF
+
+    class Priced(AdaptivePolicy):
+        calls = 0
+        pays = False
+
+        def choose(self, drafter, budget):
+            Priced.calls += 1
+            return {"draft": 2}
+
+        def expected(self, choice):  # (tokens, drafting seconds, nodes): two nodes that add nothing, or pay
+            return (3.0, 0.0, 2) if Priced.pays else (1.0, 0.01, 2)
+
+    load = LoadAware(_surface(0.0))
+    rows = [(object(), _policy())]
+    rows[0][1].__class__ = Priced
+    assert not load.cannot_pay(rows, [8])  # the bound alone would price every pass
+    for _ in range(40):
+        assert load.choose(rows, [8]) == [{"draft": 0}]
+    assert Priced.calls == 7  # passes 0, 2, 6, 14, 22, 30, 38
+    Priced.pays, Priced.calls = True, 0
+    first = next(i for i in range(MAX_BACKOFF + 1) if load.choose(rows, [8]) == [{"draft": 2}])
+    assert first <= MAX_BACKOFF and Priced.calls == 1
+    for _ in range(5):
+        assert load.choose(rows, [8]) == [{"draft": 2}]
+    assert Priced.calls == 6
+    # another batch size keeps its own back-off
+    four = [(object(), _policy()) for _ in range(4)]
+    assert all(c["draft"] > 0 for c in load.choose(four, [8] * 4))
+
+
 class Slow(Counting):
     """Counting, with 100 ms of drafting per call that no cost model knows of."""
 
