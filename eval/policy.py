@@ -381,7 +381,8 @@ class LoadAware:
     tree mask, Python bookkeeping per row. So every drafting pass is also timed whole (`observe_cycle`: draft,
     verify, commits) and its realised tokens/s set against the rate the gate predicted for it; the running
     ratio at that batch size (`realised`, an EMA, 1 before any drafting pass; a size not yet drafted at starts
-    from the nearest one within a factor of 1.5) scales every later drafting score there. A batch size where
+    from the nearest one within a factor of 1.5, else from the largest smaller one) scales every later drafting
+    score there. A batch size where
     drafting delivers less than predicted stops drafting once its realised rate falls under plain's, whatever
     the surface says.
     """
@@ -399,11 +400,19 @@ class LoadAware:
     def realised(self, batch: int) -> float:
         """Realised over predicted tokens/s of this batch size's drafting passes so far. A size with none yet
         takes the nearest size's within a factor of 1.5 (rows that finish shrink a batch one size at a time,
-        and each new size would otherwise start trusting the cost model again); 1.0 when there is none."""
-        near = [b for b, (_, count) in self._realised.items() if count and batch / 1.5 <= b <= batch * 1.5]
-        if not near:
+        and each new size would otherwise start trusting the cost model again), else the largest smaller
+        size's: what the gate cannot price (each row's drafting and commits, one after another) grows with the
+        rows while the pass grows slower, so a smaller batch's ratio bounds a larger one's from above. 1.0 when
+        there is none."""
+        seen = [b for b, (_, count) in self._realised.items() if count]
+        near = [b for b in seen if batch / 1.5 <= b <= batch * 1.5]
+        below = [b for b in seen if b < batch]
+        if near:
+            total, count = self._realised[min(near, key=lambda b: (abs(b - batch), b))]
+        elif below:
+            total, count = self._realised[max(below)]
+        else:
             return 1.0
-        total, count = self._realised[min(near, key=lambda b: (abs(b - batch), b))]
         return total / count
 
     def observe_cycle(self, batch: int, tokens: int, seconds: float) -> None:

@@ -256,6 +256,11 @@ MUTANTS: list[Mutant] = [
            "        self._backoff[b] = (0, 0) if best_w else (min(2 ** (streak + 1) - 1, MAX_BACKOFF), streak + 1)",
            "        self._backoff[b] = (0, 0)",
            ("tests/test_batch.py", "-k", "backs_off")),
+    # a larger batch size starts trusting the cost model again although a smaller one's drafting lost
+    Mutant("realised_ignores_smaller_batches", "eval/policy.py",
+           "        below = [b for b in seen if b < batch]",
+           "        below = []",
+           ("tests/test_batch.py", "-k", "deliver_less")),
     Mutant("ragged_keep_leaks_a_rejected_slot", "data/kvcache.py",
            "            kept[r, :len(p)] = 1",
            "            kept[r, :len(p) + 1] = 1",

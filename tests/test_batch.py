@@ -257,10 +257,15 @@ def test_load_aware_stops_drafting_where_drafting_passes_deliver_less_than_plain
     assert all(c["draft"] == 0 for c in load.choose(rows, [8] * 4))
     load.observe_cycle(4, 4, 0.2)  # a plain pass teaches nothing
     assert load.realised(4) == pytest.approx(0.1)
-    # a batch that shrinks to 5 or 3 rows starts from batch 4's rate; batch 16 is too far to share it
-    assert load.realised(5) == load.realised(3) == pytest.approx(0.1) and load.realised(16) == 1.0
+    # a batch that shrinks to 5 or 3 rows starts from batch 4's rate, and so does a larger one (what the gate
+    # cannot price grows with the rows); a smaller one beyond the factor 1.5 does not
+    assert load.realised(5) == load.realised(3) == load.realised(16) == pytest.approx(0.1)
+    assert load.realised(2) == load.realised(1) == 1.0
     assert all(c["draft"] == 0 for c in load.choose([(object(), _policy()) for _ in range(5)], [8] * 5))
-    assert all(c["draft"] > 0 for c in load.choose([(object(), _policy()) for _ in range(16)], [8] * 16))
+    assert all(c["draft"] == 0 for c in load.choose([(object(), _policy()) for _ in range(16)], [8] * 16))
+    assert all(c["draft"] > 0 for c in load.choose([(object(), _policy()) for _ in range(2)], [8] * 2))
+    load.observe_cycle(16, 0, 1.0)  # not a drafting pass: teaches nothing; batch 16 keeps batch 4's rate
+    assert load.realised(16) == pytest.approx(0.1)
 
 
 def _random_gate_case(rng: random.Random):
