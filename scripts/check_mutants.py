@@ -221,10 +221,10 @@ MUTANTS: list[Mutant] = [
     # --- batched speculative decoding (eval.batch): ragged acceptance, per-row trees
     # the old rule, still exact: every row advances by the batch's minimum accepted length
     Mutant("batch_rows_truncated_to_the_minimum", "eval/batch.py",
-           "        kv.keep_rows([v.path for v in verdicts])",
+           "        self.kv.keep_rows([v.path for v in verdicts])",
            "        m = min(len(v.path) for v in verdicts)\n"
            "        verdicts = [type(v)(v.accepted[:m - 1], v.tokens[m - 1], v.path[:m], v.tokens[:m]) for v in verdicts]\n"
-           "        kv.keep_rows([v.path for v in verdicts])",
+           "        self.kv.keep_rows([v.path for v in verdicts])",
            ("tests/test_batch.py", "-k", "own_accepted_length"), quick=True),
     # the load-aware gate trusts its cost model: drafting passes that deliver less than priced keep drafting
     Mutant("load_aware_ignores_realised_rate", "eval/policy.py",
