@@ -49,13 +49,19 @@ from torch import nn
 
 from data.kvcache import DynamicKV
 from data.tokenize import left_pad
-from eval.decoder import DraftPolicy, GenerationStats, draft_pass, judge, record_verdict, speculative_generate
+from eval.decoder import (
+    EMPTY,
+    DraftPolicy,
+    GenerationStats,
+    draft_pass,
+    judge,
+    record_verdict,
+    speculative_generate,
+)
 from eval.policy import LoadAware
 from heads.base import Drafter, DraftTree, Features
 
 __all__ = ["BatchResult", "BatchRun", "Method", "batched_generate", "interleave_batches", "sweep"]
-
-_EMPTY = DraftTree.chain(torch.empty(0, dtype=torch.long))  # a row that drafts nothing this pass
 
 
 @dataclass
@@ -128,7 +134,7 @@ def _begin(rows: list[_Row], kv: DynamicKV, ids: torch.Tensor, mask: torch.Tenso
     logits, feats = kv.run(ids, pad=mask)
     kv.keep(range(ids.shape[1]))
     for i, r in enumerate(rows):
-        r.out.append(judge(_EMPTY, logits[i, -1:], generator=r.generator, **sampling).next_token)
+        r.out.append(judge(EMPTY, logits[i, -1:], generator=r.generator, **sampling).next_token)
         if r.drafter is not None and len(r.out) < r.max_new:
             cols = mask[i].nonzero().reshape(-1).to(logits.device)
             prompt = torch.tensor([r.prompt], dtype=torch.long, device=logits.device)  # [1, T], as the decoder passes it
@@ -265,7 +271,7 @@ def _draft_all(active: list[_Row], k: int, temperature: float, load: LoadAware |
     if load is not None:
         chosen = list(load.choose([(r.drafter, r.policy) for r in active], budgets))
     for r, c, b in zip(active, chosen, budgets):
-        r.tree = _EMPTY if r.drafter is None else draft_pass(r.drafter, r.policy, k, b, temperature, r.stats, chosen=c)
+        r.tree = EMPTY if r.drafter is None else draft_pass(r.drafter, r.policy, k, b, temperature, r.stats, chosen=c)
 
 
 @dataclass

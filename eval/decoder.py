@@ -62,6 +62,7 @@ from heads.base import Drafter, DraftTree
 from heads.tree import check_parents, is_chain, tree_depth
 
 __all__ = [
+    "EMPTY",
     "DraftPolicy",
     "GenerationStats",
     "Verdict",
@@ -174,6 +175,9 @@ class GenerationStats:
                  tokens_per_s=self.tokens_per_s, decode_time_s=self.decode_time_s)
         return d
 
+
+# The draft of a pass that drafts nothing: one shared tree (never modified), not new tensors per pass and row.
+EMPTY = DraftTree.chain(torch.empty(0, dtype=torch.long))
 
 # A generation a pass at a time: yields after the prefill and each pass, returns (new ids, stats) (`interleave`).
 Steps = Generator[None, None, tuple[torch.Tensor, GenerationStats]]
@@ -388,7 +392,7 @@ def draft_pass(drafter: Drafter, policy: DraftPolicy | None, k: int, budget: int
         counts = stats.chosen_k.setdefault(src, {})
         counts[n_src] = counts.get(n_src, 0) + 1
     if kk <= 0:
-        return DraftTree.chain(torch.empty(0, dtype=torch.long))
+        return EMPTY
     multi = policy is not None and hasattr(drafter, "SOURCES")
     tree = drafter.draft(kk, temperature, budgets=chosen) if multi else drafter.draft(kk, temperature)
     if tree.parents.numel() != len(tree):

@@ -471,6 +471,7 @@ class LoadAware:
             self._backoff[b] = (left - 1, streak)
             return [dict.fromkeys(getattr(drafter, "SOURCES", ("draft",)), 0) for drafter, _ in rows]
         if self.cannot_pay(rows, budgets):
+            self._backoff[b] = (min(2 ** (streak + 1) - 1, MAX_BACKOFF), streak + 1)
             return [dict.fromkeys(getattr(drafter, "SOURCES", ("draft",)), 0) for drafter, _ in rows]
         share = RowShare(curve, b)
         choices, plans = [], []
