@@ -300,7 +300,6 @@ def _truncate_at_eos(tokens: list[int], eos: frozenset[int]) -> tuple[list[int],
 
 
 @torch.no_grad()
-@torch.no_grad()
 def plain_steps(
     model: nn.Module,
     input_ids: torch.Tensor,
