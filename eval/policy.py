@@ -382,9 +382,8 @@ class LoadAware:
     verify, commits) and its realised tokens/s set against the rate the gate predicted for it; the running
     ratio at that batch size (`realised`, an EMA, 1 before any drafting pass; a size not yet drafted at starts
     from the nearest one within a factor of 1.5, else from the largest smaller one) scales every later drafting
-    score there. A batch size where
-    drafting delivers less than predicted stops drafting once its realised rate falls under plain's, whatever
-    the surface says.
+    score there. A batch size where drafting delivers less than predicted stops drafting once its realised rate
+    falls under plain's, whatever the surface says.
     """
 
     def __init__(self, surface: Mapping[int, VerifyCost], margin: float = 1.05, decay: float = 0.7):
@@ -467,11 +466,11 @@ class LoadAware:
         curve = self.curve(b)
         self._planned = None
         left, streak = self._backoff.get(b, (0, 0))
-        if left:  # backing off after passes the full pricing made plain (see the class docstring)
+        if left:  # backing off after passes the bound or the pricing made plain (`_back_off`)
             self._backoff[b] = (left - 1, streak)
             return [dict.fromkeys(getattr(drafter, "SOURCES", ("draft",)), 0) for drafter, _ in rows]
         if self.cannot_pay(rows, budgets):
-            self._backoff[b] = (min(2 ** (streak + 1) - 1, MAX_BACKOFF), streak + 1)
+            self._back_off(b, streak)
             return [dict.fromkeys(getattr(drafter, "SOURCES", ("draft",)), 0) for drafter, _ in rows]
         share = RowShare(curve, b)
         choices, plans = [], []
@@ -493,7 +492,13 @@ class LoadAware:
                 choices[i] = dict.fromkeys(choices[i], 0)
                 self.gated += 1
         self._planned = (b, predicted) if best_w else None
-        # A pricing that ends plain is likely to end plain again (nothing it learns from changed): skip the next
-        # 1, 3, 7, 7, ... passes' pricing at this batch size; any pass that drafts resets it.
-        self._backoff[b] = (0, 0) if best_w else (min(2 ** (streak + 1) - 1, MAX_BACKOFF), streak + 1)
+        if best_w:
+            self._backoff[b] = (0, 0)
+        else:
+            self._back_off(b, streak)
         return choices
+
+    def _back_off(self, b: int, streak: int) -> None:
+        """After a pass its bound or pricing made plain (likely again: a row learns nothing from a plain pass),
+        leave the next 1, 3, 7, 7, ... passes at batch size b unpriced; a drafting pass resets it."""
+        self._backoff[b] = (min(2 ** (streak + 1) - 1, MAX_BACKOFF), streak + 1)

@@ -253,7 +253,7 @@ MUTANTS: list[Mutant] = [
            ("tests/test_policy.py", "-k", "pass_interleaved")),
     # the gate prices every pass again after pricings that ended plain (a percent of a batch-1 pass each)
     Mutant("gate_never_backs_off", "eval/policy.py",
-           "        self._backoff[b] = (0, 0) if best_w else (min(2 ** (streak + 1) - 1, MAX_BACKOFF), streak + 1)",
+           "        self._backoff[b] = (min(2 ** (streak + 1) - 1, MAX_BACKOFF), streak + 1)",
            "        self._backoff[b] = (0, 0)",
            ("tests/test_batch.py", "-k", "backs_off")),
     # a larger batch size starts trusting the cost model again although a smaller one's drafting lost
