@@ -143,9 +143,9 @@ def _begin(rows: list[_Row], kv: DynamicKV, ids: torch.Tensor, mask: torch.Tenso
 
 class BatchRun:
     """One batched generation, a pass at a time (see the module doc): set up and prefilled (untimed) on
-    construction; `step()` runs one timed pass; `result()` once `done`. `batched_generate` runs one to the end;
-    `interleave_batches` advances several pass by pass, so that each one's seconds are its own passes' and load drift
-    on a shared machine falls on all of them alike."""
+    construction; `step()` runs one timed pass; `result()` once `done`. `batched_generate` runs one to the
+    end; `interleave_batches` advances several pass by pass, so that each one's seconds are its own passes'
+    and load drift on a shared machine falls on all of them alike."""
 
     @torch.no_grad()
     def __init__(self, model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int,
@@ -222,6 +222,7 @@ class BatchRun:
             self.finish[id(r)] = self.decode_s
 
     def result(self) -> BatchResult:
+        """The finished run: tokens, passes, its own decode seconds, the rows' merged and own stats."""
         stats = GenerationStats()
         for r in self.rows:
             r.stats.new_tokens = len(r.out)
