@@ -205,11 +205,9 @@ class BatchRun:
             if len(r.out) < max_new:
                 keep.append(i)
                 if r.drafter is not None:
-                    # A chain's path is a prefix of the pass's columns: a view (this pass's features are never
-                    # written again: DynamicKV allocates every forward), no index copy per row.
-                    n = len(v.path)
-                    cols = slice(0, n) if v.path == list(range(n)) else torch.tensor(v.path, device=logits.device)
-                    r.drafter.commit(v.accepted, _row_features(feats, i, cols), v.next_token)
+                    # A chain's columns are a view (this pass's features are never written again: DynamicKV
+                    # allocates every forward), no index copy per row.
+                    r.drafter.commit(v.accepted, _row_features(feats, i, v.columns(logits.device)), v.next_token)
             else:
                 finished.append(r)
         if load is not None:  # the whole pass, drafting and commits included: what the gate cannot price

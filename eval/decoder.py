@@ -412,6 +412,13 @@ class Verdict:
     path: list[int]
     tokens: list[int]
 
+    def columns(self, device: torch.device) -> slice | torch.Tensor:
+        """The pass's columns of [root, accepted...], whose features the drafter commits: a chain's path is a
+        prefix of them, taken as a slice (a view: no index tensor, no copy; most passes are chains), a tree's
+        an index tensor. Paths ascend (parents precede children), so the last entry tells which."""
+        n = len(self.path)
+        return slice(0, n) if self.path[-1] == n - 1 else torch.tensor(self.path, device=device)
+
 
 def judge(tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
           generator: torch.Generator | None) -> Verdict:
@@ -502,12 +509,8 @@ def speculative_steps(
             done = True
         if not done and uses_drafter:
             tc = perf()
-            # Features of [root, accepted...] in path order: rows 0 and a+1 of this pass; a chain's path is a
-            # prefix of the rows, taken as a view (no index copy, no index tensor: most passes are chains)
-            if feats is not None:
-                feats = feats.slice(0, len(path)) if path[-1] == len(path) - 1 else \
-                    feats.index(torch.tensor(path, device=ids.device))
-            drafter.commit(accepted, feats, nxt)
+            # Features of [root, accepted...] in path order: rows 0 and a+1 of this pass
+            drafter.commit(accepted, None if feats is None else feats.index(verdict.columns(ids.device)), nxt)
             stats.draft_time_s += perf() - tc
         yield
     stats.new_tokens = len(out)

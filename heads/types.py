@@ -42,8 +42,8 @@ class Features:
             last=self.last[:, start:stop], aux=None if self.aux is None else self.aux[:, start:stop]
         )
 
-    def index(self, idx: torch.Tensor) -> Features:
-        """Positions `idx` (1-D long tensor) along the time axis, in that order."""
+    def index(self, idx: torch.Tensor | slice) -> Features:
+        """Positions `idx` (1-D long tensor, in that order; or a slice, a view) along the time axis."""
         return Features(last=self.last[:, idx], aux=None if self.aux is None else self.aux[:, idx])
 
 
