@@ -73,14 +73,19 @@ class NgramDrafter:
         for t in prompt_ids.reshape(-1).tolist() + [next_token]:
             self._append(t)
 
-    def lookup(self, k: int) -> list[int]:
-        """The up to k tokens that followed the latest earlier match of the longest matching suffix ([] if none)."""
+    def match(self, k: int) -> tuple[list[int], int]:
+        """(the up to k tokens that followed the latest earlier match of the longest matching suffix, that
+        suffix's length n, the match order); ([], 0) if none."""
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(self.tokens) > n:
                 start = self.index[n].get(tuple(self.tokens[-n:]))
                 if start is not None:
-                    return self.tokens[start:start + k]
-        return []
+                    return self.tokens[start:start + k], n
+        return [], 0
+
+    def lookup(self, k: int) -> list[int]:
+        """The up to k tokens that followed the latest earlier match of the longest matching suffix ([] if none)."""
+        return self.match(k)[0]
 
     def draft(self, k: int, temperature: float) -> DraftTree:
         self._draft = self.lookup(k) if k > 0 else []
@@ -336,6 +341,7 @@ class HybridDrafter:
         self.ngram = ngram if ngram is not None else NgramDrafter()
         self.capture_layers = head.capture_layers
         self._tokens: list[int] = []
+        self._order = 0  # the match order of the n-gram proposal last sized (`proposal`)
 
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
         self.head.begin(prompt_ids, features, next_token)
@@ -344,7 +350,16 @@ class HybridDrafter:
 
     def proposal(self, source: str, k: int) -> int | None:
         """How deep `source` would draft with k allowed, if known before drafting (the n-gram's match), else None."""
-        return len(self.ngram.lookup(k)) if source == "ngram" else None
+        if source != "ngram":
+            return None
+        tokens, self._order = self.ngram.match(k)
+        return len(tokens)
+
+    def proposal_key(self, source: str) -> str:
+        """What the proposal `proposal` just sized is priced as (eval.policy.AdaptivePolicy keeps acceptance per
+        key): the n-gram's by its match order, "ngram@3" for a 3-token suffix match, since a long match is
+        accepted far more often than a 1-token one and one average would price both alike; the head's as "head"."""
+        return f"ngram@{self._order}" if source == "ngram" else source
 
     def draft(self, k: int, temperature: float, budgets: Mapping[str, int] | None = None) -> DraftTree:
         budgets = budgets or {}

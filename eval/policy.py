@@ -7,6 +7,9 @@
 
 For a HybridDrafter (eval.drafters) the proposers are "head" and "ngram", each with its own prior and draft
 cost, and the policy sizes both branches of every pass (the decoder hands its choice to `draft` as `budgets`).
+A drafter may also name what a proposal is priced as (`proposal_key`): the hybrid keys the n-gram's by its
+match order, so a 3-token match and a 1-token one each get their own a_s(d) (both start from the n-gram's
+prior); "the proposer s" below is that key.
 
 The model (eval.costs, per proposer s and depth d, the estimate a_s(d) of P(depth d accepted | d-1 was)):
     a_s(d)   = (accepted_s(d) + w * prior_s(d)) / (judged_s(d) + w)     counts decay by `decay` per
@@ -144,16 +147,29 @@ class AdaptivePolicy:
 
     def reset(self, k: int) -> None:
         self.first = k
-        self.accepted = {s: [0.0] * self.k_max for s in self.prior}
-        self.judged = {s: [0.0] * self.k_max for s in self.prior}
+        # Acceptance counts per key: a proposer's name, or the finer key its drafter prices a proposal as
+        # (`proposal_key`: the n-gram's match order); `key` maps each proposer to its current proposal's key.
+        self.accepted: dict[str, list[float]] = {s: [0.0] * self.k_max for s in self.prior}
+        self.judged: dict[str, list[float]] = {s: [0.0] * self.k_max for s in self.prior}
+        self.key = {s: s for s in self.prior}
+        self.keys = {s: {s} for s in self.prior}  # every key each proposer's proposals were priced as
         self.idle = dict.fromkeys(self.prior, 0)
         self.gap = dict.fromkeys(self.prior, self.probe_every)  # plain passes before the next re-probe
         self.width = dict.fromkeys(self.prior, 1.0)  # draft nodes per depth (1 for chains)
 
-    def rates(self, source: str) -> list[float]:
-        """The current estimate a_s(d) for d = 1..k_max."""
+    def rates(self, source: str, key: str | None = None) -> list[float]:
+        """The current estimate a_s(d) for d = 1..k_max: of `source`'s current proposal (the key its drafter
+        priced it as this pass), or of `key`; a key with no observations yet is the source's prior."""
+        key = key or self.key[source]
         w, pr = self.weight, self.prior[source]
-        return [(a + w * p) / (j + w) for a, j, p in zip(self.accepted[source], self.judged[source], pr)]
+        if key not in self.accepted:
+            return list(pr)
+        return [(a + w * p) / (j + w) for a, j, p in zip(self.accepted[key], self.judged[key], pr)]
+
+    def upper_rates(self, source: str) -> list[float]:
+        """Per depth, the highest estimate over every key `source` was priced as (its prior included): a bound
+        on what `choose` can price for it before the drafter says which key this pass's proposal has."""
+        return [max(r) for r in zip(self.prior[source], *(self.rates(source, k) for k in self.keys[source]))]
 
     def _nodes(self, source: str, length: int) -> int:
         return math.ceil(self.width[source] * length - 1e-9) if length else 0
@@ -248,6 +264,8 @@ class AdaptivePolicy:
         for s in sources:
             known = drafter.proposal(s, cap) if hasattr(drafter, "proposal") else None
             limit[s] = cap if known is None else min(known, cap)
+            self.key[s] = drafter.proposal_key(s) if hasattr(drafter, "proposal_key") else s
+            self.keys[s].add(self.key[s])
             # A proposal known before drafting (the n-gram's match) costs nothing to draft and its worth is in
             # its deep positions, which a one-token probe would never measure: probe it whole.
             probe[s] = 1 if known is None else limit[s]
@@ -286,7 +304,10 @@ class AdaptivePolicy:
                 got += 1
             last = accepted[got - 1] if got else -1
             tested = min(got + int(any(parents[i] == last for i in mine)), self.k_max)
-            acc, jud = self.accepted[s], self.judged[s]
+            key = self.key[s]
+            if key not in self.accepted:
+                self.accepted[key], self.judged[key] = [0.0] * self.k_max, [0.0] * self.k_max
+            acc, jud = self.accepted[key], self.judged[key]
             for d in range(tested):
                 jud[d] = self.decay * jud[d] + 1.0
                 acc[d] = self.decay * acc[d] + float(d < got)
@@ -452,7 +473,7 @@ class LoadAware:
         for (_, policy), cap in zip(rows, caps):
             per_depth = [0.0] * cap
             for s in policy.prior:
-                for d, reach in enumerate(itertools.accumulate(policy.rates(s)[:cap], lambda x, y: x * y)):
+                for d, reach in enumerate(itertools.accumulate(policy.upper_rates(s)[:cap], lambda x, y: x * y)):
                     per_depth[d] += reach
             g = list(itertools.accumulate(min(1.0, x) for x in per_depth))
             for m in range(1, top + 1):

@@ -261,6 +261,11 @@ MUTANTS: list[Mutant] = [
            "        below = [b for b in seen if b < batch]",
            "        below = []",
            ("tests/test_batch.py", "-k", "deliver_less")),
+    # the hybrid's n-gram priced as one average over its match orders (a 1-token match like a 3-token one)
+    Mutant("ngram_priced_as_one_average", "eval/policy.py",
+           "            self.key[s] = drafter.proposal_key(s) if hasattr(drafter, \"proposal_key\") else s",
+           "            self.key[s] = s",
+           ("tests/test_policy.py", "-k", "priced_by_its_match_order")),
     Mutant("ragged_keep_leaks_a_rejected_slot", "data/kvcache.py",
            "            kept[r, :len(p)] = 1",
            "            kept[r, :len(p) + 1] = 1",

@@ -214,6 +214,49 @@ def test_a_known_proposal_is_reprobed_whole():
     assert picks == [{"head": 0, "ngram": 0}, {"head": 1, "ngram": 5}]  # the head probes 1 token, the n-gram all 5
 
 
+def test_the_ngram_is_priced_by_its_match_order():
+    """Mutant ngram_priced_as_one_average: the hybrid's n-gram proposals alternate between 3-token matches whose
+    two drafted tokens are always accepted and 1-token matches whose drafts never are. Two tokens pay only when
+    a(1) > 0.61 here (T(3) = 1.9 T(1)), so one average (0.5) would price both out; keyed by match order, every
+    3-token match is drafted and the 1-token ones are left to the re-probes."""
+
+    class Matches:
+        SOURCES = ("head", "ngram")
+        order = 3
+
+        def proposal(self, source, k):
+            return min(2, k) if source == "ngram" else None
+
+        def proposal_key(self, source):
+            return f"ngram@{self.order}" if source == "ngram" else source
+
+    verify = VerifyCost({1: 1.0, 2: 1.45, 3: 1.9}, context_len=64)
+    pol = AdaptivePolicy(verify, {s: DraftCost(0.0, 0.0) for s in ("head", "ngram")},
+                         {"head": [0.0], "ngram": [0.7]}, k_max=2, probe_every=4)
+    pol.reset(0)
+    d, picks = Matches(), {3: [], 1: []}
+    for i in range(60):
+        d.order = 3 if i % 2 == 0 else 1
+        n = pol.choose(d, 2)["ngram"]
+        picks[d.order].append(n)
+        tree = DraftTree.chain(torch.tensor([5, 6][:n]))
+        tree.sources = ["ngram"] * n
+        pol.observe(tree, [0, 1][:n] if d.order == 3 else [])
+    assert picks[3][-15:] == [2] * 15
+    assert sum(1 for n in picks[1][-15:] if n) <= 3  # re-probes only
+    assert pol.rates("ngram", "ngram@3")[0] > 0.9 and pol.rates("ngram", "ngram@1")[0] < 0.61
+    assert pol.upper_rates("ngram")[0] == pytest.approx(pol.rates("ngram", "ngram@3")[0])
+
+
+def test_the_hybrid_keys_its_ngram_proposal_by_match_order():
+    ngram = NgramDrafter()
+    ngram.begin(torch.tensor([[5, 1, 2, 7, 8, 9, 4, 1]]), None, 2)  # (4 1 2) unseen; (1 2) continued with 7 8 9
+    d = HybridDrafter(DeferredSync(NgramDrafter()), ngram)
+    assert d.proposal("ngram", 3) == 3 and d.proposal_key("ngram") == "ngram@2" and d.proposal_key("head") == "head"
+    ngram.commit_tokens([], None, 6)  # suffix (2, 6) never seen, (6) neither: no match
+    assert d.proposal("ngram", 3) == 0 and d.proposal_key("ngram") == "ngram@0"
+
+
 def test_measured_prior_stops_at_the_first_untested_depth():
     st = GenerationStats(accepted_per_position=[3, 1, 0], judged_per_position=[4, 2, 0])
     assert measured_prior(st) == [0.75, 0.5] and st.acceptance_rates == [0.75, 0.5, 0.0]
