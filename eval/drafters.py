@@ -258,12 +258,14 @@ class _FeatureLog:
 
 
 class DeferredSync:
-    """Wraps a drafter so that its commits wait while it does not draft (a policy gave it depth 0).
+    """Wraps a drafter so that its begin and its commits wait while it does not draft (a policy gave it depth 0).
 
     Consecutive commits with no draft between them are one commit of the joined path (tokens t1 + [next1] +
     t2, features concatenated, next2): the drafter's state after it is the same. So the deferred commits are
     handed over as ONE `commit_tokens` right before the next draft, and one head forward over m rows costs
-    less than m forwards of one row; a generation that never drafts again never pays for them. A commit
+    less than m forwards of one row; a generation that never drafts again never pays for them. `begin` (a
+    head forward over the whole prompt) waits the same way, for the first draft: it was 0.25% of a
+    48-token generation that never drafted (scripts/bench_batch.py's single stream). A commit
     right after a draft goes through at once (the drafter rolls its own draft back). The deferred path is one
     token list and its features a chunked log (_FeatureLog), so a pass that drafts nothing costs a list
     extend and an append (scripts/bench_batch.py).
@@ -275,13 +277,18 @@ class DeferredSync:
         self._drafted = False
         self._path: list[int] = []  # the joined deferred path: each commit's tokens, then its next token
         self._log = _FeatureLog()
+        self._begin: tuple[torch.Tensor, Features | None, int] | None = None  # the deferred begin's arguments
+        self._device = torch.device("cpu")
 
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
         self._drafted, self._path, self._log = False, [], _FeatureLog()
-        self.inner.begin(prompt_ids, features, next_token)
+        self._begin, self._device = (prompt_ids, features, int(next_token)), prompt_ids.device
 
     def flush(self) -> None:
-        """Hand the deferred commits to the drafter as one commit of the joined path."""
+        """Hand the deferred begin and commits to the drafter: its begin, then one commit of the joined path."""
+        if self._begin is not None:
+            args, self._begin = self._begin, None
+            self.inner.begin(*args)
         if not self._path:
             return
         path, self._path = self._path, []
@@ -289,7 +296,7 @@ class DeferredSync:
 
     def draft(self, k: int, temperature: float) -> DraftTree:
         if k <= 0:
-            return self.inner.draft(k, temperature)
+            return _empty_tree(self._device)
         self.flush()
         self._drafted = True
         return self.inner.draft(k, temperature)

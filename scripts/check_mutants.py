@@ -266,6 +266,11 @@ MUTANTS: list[Mutant] = [
            "            self.key[s] = drafter.proposal_key(s) if hasattr(drafter, \"proposal_key\") else s",
            "            self.key[s] = s",
            ("tests/test_policy.py", "-k", "priced_by_its_match_order")),
+    # a drafter kept from drafting still pays its begin (a head forward over the prompt)
+    Mutant("deferred_sync_begins_at_once", "eval/drafters.py",
+           "        self._begin, self._device = (prompt_ids, features, int(next_token)), prompt_ids.device",
+           "        self._begin, self._device = None, prompt_ids.device\n        self.inner.begin(prompt_ids, features, next_token)",
+           ("tests/test_batch.py", "-k", "never_calls_the_drafter")),
     Mutant("ragged_keep_leaks_a_rejected_slot", "data/kvcache.py",
            "            kept[r, :len(p)] = 1",
            "            kept[r, :len(p) + 1] = 1",

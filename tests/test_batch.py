@@ -199,6 +199,11 @@ class Counting(OracleDrafter):
     """A full oracle that counts its drafts and follows commits by tokens (DeferredSync hands them over so)."""
 
     calls = 0
+    begins = 0
+
+    def begin(self, prompt_ids, features, next_token):
+        Counting.begins += 1
+        super().begin(prompt_ids, features, next_token)
 
     def draft(self, k, temperature):
         Counting.calls += 1
@@ -227,7 +232,7 @@ def _load_aware_batch(tiny_target, rows: int, n: int, k: int, oracle: type, load
     model, tok, io = tiny_target
     prompts = _prompts(tok, rows)
     plain, refs = _refs(model, tok, prompts, n)
-    Counting.calls = 0
+    Counting.calls = Counting.begins = 0
     spec = batched_generate(model, prompts, n, tok.pad_token_id, k=k,
                             make_drafter=lambda: DeferredSync(oracle(refs, 0.0, 0, io.vocab_size, full=True)),
                             make_policy=_policy, load=load)
@@ -236,13 +241,15 @@ def _load_aware_batch(tiny_target, rows: int, n: int, k: int, oracle: type, load
 
 
 def test_load_aware_batch_with_costly_drafting_never_calls_the_drafter(tiny_target):
-    """A steep surface: every pass plain, the drafter never drafts (its commits wait in DeferredSync), same tokens."""
+    """A steep surface: every pass plain, the drafter never drafts and is never even begun (its begin and commits
+    wait in DeferredSync), same tokens. Mutant deferred_sync_begins_at_once."""
     spec = _load_aware_batch(tiny_target, 4, 10, 2, Counting, LoadAware({4: _surface(1.0)[16]}))
-    assert Counting.calls == 0 and spec.stats.drafted_tokens == 0
+    assert Counting.calls == 0 and Counting.begins == 0 and spec.stats.drafted_tokens == 0
 
 
 def test_load_aware_batch_drafts_on_a_flat_surface(tiny_target):
     assert _load_aware_batch(tiny_target, 4, 13, 3, Counting, LoadAware(_surface(0.0))).tau > 2.0
+    assert Counting.begins == 4  # each row's drafter begun once, at its first draft
 
 
 def test_load_aware_stops_drafting_where_drafting_passes_deliver_less_than_plain():
@@ -576,9 +583,9 @@ def test_deferred_commits_join_in_order_past_the_log_chunk():
     d.begin(torch.tensor([[1, 2]]), None, 3)
     for i in range(70):
         d.commit([], Features(last=torch.full((1, 1, 2), float(i)), aux=torch.full((1, 1, 4), float(-i))), 100 + i)
-    assert inner.calls == []
+    assert not hasattr(inner, "calls")  # not even begun yet
     d.draft(1, 0.0)
-    [(tokens, feats, nxt)] = inner.calls
+    [(tokens, feats, nxt)] = inner.calls  # begun, then one commit
     assert tokens == [100 + i for i in range(69)] and nxt == 169
     assert feats.last[0, :, 0].tolist() == [float(i) for i in range(70)]
     assert feats.aux[0, :, 0].tolist() == [float(-i) for i in range(70)]
