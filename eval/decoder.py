@@ -198,6 +198,9 @@ class DraftPolicy(Protocol):
     observe(tree, accepted, seconds): what the target accepted of the tree it verified, and how long that
         verify pass took (the root plus len(tree) tokens through the target, and the accept/reject step;
         None when not timed).
+    observe_drafting(seconds), optional: after a pass that drafted, the seconds the drafter's own calls took
+        in it (its draft, any catch-up a deferred sync does first, its commit of the verdict); the single-stream
+        decoder calls it when the policy has it.
     """
 
     def reset(self, k: int) -> None: ...
@@ -490,7 +493,10 @@ def speculative_steps(
     while not done:
         td = perf()
         # Never draft past max_new_tokens: the pass itself always adds one token.
-        tree = draft_pass(drafter, policy, k, max_new_tokens - len(out) - 1, temperature, stats)
+        budget = max_new_tokens - len(out) - 1
+        chosen = None if policy is None else policy.choose(drafter, budget)
+        tq = perf()  # the drafter's own time starts here (observe_drafting): the policy's choice is not drafting
+        tree = draft_pass(drafter, policy, k, budget, temperature, stats, chosen)
         tv = perf()
         stats.draft_time_s += tv - td
         # Built where the drafter left its tokens; the cache moves them (a static one without a host sync).
@@ -507,11 +513,16 @@ def speculative_steps(
         if len(out) >= max_new_tokens:
             del out[max_new_tokens:]
             done = True
+        drafting = tv - tq
         if not done and uses_drafter:
             tc = perf()
             # Features of [root, accepted...] in path order: rows 0 and a+1 of this pass
             drafter.commit(accepted, None if feats is None else feats.index(verdict.columns(ids.device)), nxt)
-            stats.draft_time_s += perf() - tc
+            commit_s = perf() - tc
+            stats.draft_time_s += commit_s
+            drafting += commit_s
+        if len(tree) and hasattr(policy, "observe_drafting"):
+            policy.observe_drafting(drafting)
         yield
     stats.new_tokens = len(out)
     return torch.tensor(out, dtype=torch.long), stats

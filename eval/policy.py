@@ -147,6 +147,10 @@ class AdaptivePolicy:
 
     def reset(self, k: int) -> None:
         self.first = k
+        # Per proposer, drafting seconds observed and priced (observe_drafting): decayed sums, starting as
+        # prior_weight passes at the calibration's price (set on its first drafting pass: the request's unit).
+        self._drafting: dict[str, list[float]] = {}
+        self._priced: dict[str, float] = {}  # this pass's chosen drafts' prices (unscaled), until observe_drafting
         # Acceptance counts per key: a proposer's name, or the finer key its drafter prices a proposal as
         # (`proposal_key`: the n-gram's match order); `key` maps each proposer to its current proposal's key.
         self.accepted: dict[str, list[float]] = {s: [0.0] * self.k_max for s in self.prior}
@@ -170,6 +174,33 @@ class AdaptivePolicy:
         """Per depth, the highest estimate over every key `source` was priced as (its prior included): a bound
         on what `choose` can price for it before the drafter says which key this pass's proposal has."""
         return [max(r) for r in zip(self.prior[source], *(self.rates(source, k) for k in self.keys[source]))]
+
+    def draft_scale(self, source: str) -> float:
+        """Observed over priced drafting seconds of `source` so far in this request (1.0 before it drafted):
+        its draft costs are priced times this. The calibration times drafts made every pass; in a request the
+        drafter also catches up on the passes it skipped (eval.drafters.DeferredSync's one commit of the
+        joined path) and its tree is merged and committed, which the calibration did not see: on passage
+        questions the quickstart head's drafting passes cost 6 ms more than priced (47.7 against 41.4 ms,
+        the priced draft 2.4 ms), which turned a predicted 1.08x into a measured 0.97x."""
+        seen_priced = self._drafting.get(source)
+        return 1.0 if seen_priced is None else seen_priced[0] / seen_priced[1]
+
+    def observe_drafting(self, seconds: float) -> None:
+        """The drafter's seconds in the pass just verified (eval.decoder: its draft, a deferred catch-up, its
+        commit) against what `choose` priced that pass's drafts at; teaches `draft_scale` of the proposer
+        priced highest in it (a hybrid's pass is mostly its head's time when the head drafted)."""
+        priced, self._priced = self._priced, {}
+        if not priced:
+            return
+        owner = max(priced, key=priced.__getitem__)
+        total = sum(priced.values())
+        if total <= 0:
+            return
+        seen, was = self._drafting.setdefault(owner, [self.weight * total, self.weight * total])
+        self._drafting[owner] = [self.decay * seen + seconds, self.decay * was + total]
+
+    def _draft_cost(self, source: str, nodes: int) -> float:
+        return self.costs[source](nodes) * self.draft_scale(source) if nodes else 0.0
 
     def _nodes(self, source: str, length: int) -> int:
         return math.ceil(self.width[source] * length - 1e-9) if length else 0
@@ -212,7 +243,7 @@ class AdaptivePolicy:
         for s, n in lengths.items():
             if n:
                 m = self._nodes(s, n)
-                t += self.costs[s](m)
+                t += self._draft_cost(s, m)
                 nodes += m
         return e, t, nodes
 
@@ -236,8 +267,8 @@ class AdaptivePolicy:
         ra, rb = reach[a], (reach[b] if b else [])
         nodes_a = [self._nodes(a, n) for n in range(la_max + 1)]
         nodes_b = [self._nodes(b, n) for n in range(lb_max + 1)] if b else [0]
-        cost_a = [self.costs[a](m) if m else 0.0 for m in nodes_a]
-        cost_b = [self.costs[b](m) if m else 0.0 for m in nodes_b] if b else [0.0]
+        cost_a = [self._draft_cost(a, m) for m in nodes_a]
+        cost_b = [self._draft_cost(b, m) for m in nodes_b] if b else [0.0]
         t1 = self._verify(1)
         best, arg = self.margin, (0, 0)  # a plain pass unless some draft beats it by the margin
         e_a = 1.0
@@ -282,6 +313,7 @@ class AdaptivePolicy:
                 if self.idle[s] >= self.gap[s]:  # re-probe (one cheap draft token), then wait twice as long
                     choice[s], self.idle[s] = probe[s], 0
                     self.gap[s] = min(2 * self.gap[s], MAX_PROBE_GAP_FACTOR * self.probe_every)
+        self._priced = {s: self.costs[s](self._nodes(s, n)) for s, n in choice.items() if n}
         return choice
 
     def observe(self, tree: DraftTree, accepted: list[int], seconds: float | None = None) -> None:

@@ -271,6 +271,11 @@ MUTANTS: list[Mutant] = [
            "        self._begin, self._device = (prompt_ids, features, int(next_token)), prompt_ids.device",
            "        self._begin, self._device = None, prompt_ids.device\n        self.inner.begin(prompt_ids, features, next_token)",
            ("tests/test_batch.py", "-k", "never_calls_the_drafter")),
+    # the single-stream policy keeps pricing drafts at the calibration's cost whatever they are seen to take
+    Mutant("drafting_cost_never_learned", "eval/policy.py",
+           "        return self.costs[source](nodes) * self.draft_scale(source) if nodes else 0.0",
+           "        return self.costs[source](nodes) if nodes else 0.0",
+           ("tests/test_policy.py", "-k", "seen_to_cost")),
     Mutant("ragged_keep_leaks_a_rejected_slot", "data/kvcache.py",
            "            kept[r, :len(p)] = 1",
            "            kept[r, :len(p) + 1] = 1",

@@ -257,6 +257,59 @@ def test_the_hybrid_keys_its_ngram_proposal_by_match_order():
     assert d.proposal("ngram", 3) == 0 and d.proposal_key("ngram") == "ngram@0"
 
 
+def test_drafting_priced_at_what_it_was_seen_to_cost():
+    """Mutant drafting_cost_never_learned: a head calibrated at 1 ms a draft whose drafting passes take 20 ms
+    (a catch-up, tree work the calibration never saw) is priced at what they took, and stops drafting at an
+    acceptance that pays at 1 ms and not at 20; the n-gram, whose passes cost what they were priced at, keeps
+    its own price."""
+    verify = VerifyCost({1: 0.040, 2: 0.042, 3: 0.044}, context_len=64)
+    pol = AdaptivePolicy(verify, {"head": DraftCost(0.001, 0.0), "ngram": DraftCost(0.0001, 0.0)},
+                         {"head": [0.3], "ngram": [0.0]}, k_max=2, probe_every=1000)
+    pol.reset(0)
+    d = type("Head", (), {"SOURCES": ("head", "ngram")})()
+    assert pol.choose(d, 2)["head"] > 0  # 1.3 tokens for 1.1 passes' time: drafts
+    for _ in range(8):  # acceptance stays the prior's (nothing observed): only the price changes
+        if not pol.choose(d, 2)["head"]:
+            break
+        pol.observe_drafting(0.020)
+    assert pol.draft_scale("head") > 5 and pol.draft_scale("ngram") == 1.0
+    assert pol.choose(d, 2)["head"] == 0  # 20 ms of drafting for 0.3-0.5 tokens: plain is faster
+    pol.observe_drafting(0.5)  # a plain pass priced nothing: nothing learned
+    assert pol.draft_scale("head") < 20
+
+
+def test_the_decoder_reports_the_drafters_own_seconds(target, prompt, reference):  # noqa: F811 (fixtures imported from test_decoder)
+    """observe_drafting gets, after every drafting pass and only then, the drafter's seconds (its draft and
+    commit, here each sleeping 3 ms), not the policy's own choice (sleeping 30 ms)."""
+    import time
+
+    class Slow(NgramDrafter):
+        def draft(self, k, temperature):
+            time.sleep(0.003)
+            return super().draft(k, temperature)
+
+        def commit_tokens(self, tokens, features, next_token):
+            time.sleep(0.003)
+            super().commit_tokens(tokens, features, next_token)
+
+    class Spy(RandomPolicy):
+        seen: list[float] = []
+
+        def choose(self, drafter, budget):
+            time.sleep(0.03)
+            return super().choose(drafter, budget)
+
+        def observe_drafting(self, seconds):
+            self.seen.append(seconds)
+
+    pol = Spy(0, p_zero=0.5)
+    out, st = speculative_generate(target, prompt, Slow(), 4, MAX_NEW, policy=pol)
+    assert out.tolist() == reference.tolist()
+    drafting_passes = sum(1 for n in st.nodes_per_pass if n)
+    assert len(pol.seen) == drafting_passes > 3
+    assert all(0.003 <= x < 0.03 for x in pol.seen)
+
+
 def test_measured_prior_stops_at_the_first_untested_depth():
     st = GenerationStats(accepted_per_position=[3, 1, 0], judged_per_position=[4, 2, 0])
     assert measured_prior(st) == [0.75, 0.5] and st.acceptance_rates == [0.75, 0.5, 0.0]
