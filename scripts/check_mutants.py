@@ -180,8 +180,8 @@ MUTANTS: list[Mutant] = [
            ("tests/test_alignment.py",)),
     # --- issue 29: the classes of planted bugs that passed every test
     Mutant("spec_pass_drafts_past_max_new_tokens", "eval/decoder.py",
-           "max_new_tokens - len(out) - 1, temperature, stats)",
-           "max_new_tokens - len(out), temperature, stats)",
+           "        budget = max_new_tokens - len(out) - 1",
+           "        budget = max_new_tokens - len(out)",
            ("tests/test_faults.py", "-k", "max_new_tokens_budget"), quick=True),
     Mutant("accepted_credit_by_path_position", "eval/decoder.py",
            'src = tree.sources[a] if tree.sources is not None else "draft"',

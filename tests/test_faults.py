@@ -478,6 +478,21 @@ def test_a_second_extraction_of_one_shard_set_is_refused(tiny_target, tmp_path):
 
 # ----------------------------------------------------------------------------------------------- test gaps
 # Planted bugs that passed every test before (scripts/check_mutants.py names the mutant each test catches).
+def test_every_mutant_still_applies():
+    """Each of scripts/check_mutants.py's planted bugs replaces a snippet that occurs exactly once in its file: a
+    refactor that moves a snippet must move its mutant too (the mutation run, CI's --quick included, would
+    otherwise report an error for a bug it no longer plants; this checks them all in the default suite)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("check_mutants", root / "scripts" / "check_mutants.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    stale = [m.name for m in mod.MUTANTS if (root / m.path).read_text().count(m.old) != 1]
+    assert not stale, f"mutants whose snippet no longer occurs exactly once: {stale}"
+
+
 def test_max_new_tokens_budget_no_pass_drafts_past_the_end(tiny_target):
     """Mutant spec_pass_drafts_past_max_new_tokens: every pass adds its accepted tokens plus one, so with an
     always-right drafter 1 (prefill) + accepted + passes is exactly max_new_tokens; a pass that drafted past
