@@ -19,6 +19,8 @@ The model (eval.costs, per proposer s and depth d, the estimate a_s(d) of P(dept
     E(l)     = 1 + sum_d (1 - prod_s (1 - P_s(d) [d <= l_s]))           tokens per pass, branches treated as
                                                                         independent chances to reach depth d
     time(l)  = sum_{s: l_s > 0} D_s(nodes_s) + T(1 + sum_s nodes_s)     nodes_s = l_s * nodes per depth seen
+    D_s(m)   = calibration's draft cost(m) * draft_scale(s)             observed / priced drafting seconds of
+                                                                        s in this request (observe_drafting)
 and the lengths l (each 0..k_max, the n-gram's capped by the match it actually has) with the highest
 E(l) * T(1) / time(l) are drafted; all zero is a plain pass (T(1), E = 1). A proposer left at 0 for
 `probe_every` passes in a row is given depth 1 once (a cheap re-probe: one extra verified token; a proposal
