@@ -53,6 +53,7 @@ from eval.decoder import (
     EMPTY,
     DraftPolicy,
     GenerationStats,
+    cycle_orders,
     draft_pass,
     judge,
     record_verdict,
@@ -231,14 +232,16 @@ class BatchRun:
 
 
 def interleave_batches(runs: Sequence[BatchRun]) -> list[BatchResult]:
-    """Advance `runs` one pass each in turn until all are done; their results in order. Each run's seconds
-    are its own passes', taken alternately, so a slow spell of the machine (measured: one plain batch-8
-    configuration at 110 and then 76 tok/s minutes apart) lands on every run's passes, not on whichever
-    ran during it (tests/test_batch.py plants a drift and checks both ways)."""
+    """Advance `runs` one pass each per cycle, in a fresh order each cycle (eval.decoder.cycle_orders: no run
+    always follows the same one), until all are done; their results in order. Each run's seconds are its own
+    passes', taken alternately, so a slow spell of the machine (measured: one plain batch-8 configuration at
+    110 and then 76 tok/s minutes apart) lands on every run's passes, not on whichever ran during it
+    (tests/test_batch.py plants a drift and checks both ways, and a slowdown after one run's passes)."""
+    orders = cycle_orders(len(runs))
     while not all(r.done for r in runs):
-        for r in runs:
-            if not r.done:
-                r.step()
+        for i in next(orders):
+            if not runs[i].done:
+                runs[i].step()
     return [r.result() for r in runs]
 
 

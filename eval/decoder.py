@@ -48,8 +48,9 @@ same tokens; the exactness tests run on both.
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -66,6 +67,7 @@ __all__ = [
     "DraftPolicy",
     "GenerationStats",
     "Verdict",
+    "cycle_orders",
     "draft_pass",
     "interleave",
     "judge",
@@ -356,17 +358,33 @@ def plain_generate(
                                    generator, cache)])[0]
 
 
+def cycle_orders(n: int, seed: int = 0) -> Iterator[list[int]]:
+    """The order of n interleaved runs in each cycle (one step of each): a fresh seeded shuffle every cycle, so
+    that no run's steps always follow the same other run's. A pass right after a heavier run's pass is slower
+    on these CPUs: at batch 2 a drafting-off run read 1.012x plain when its passes followed a hybrid's and
+    0.993x when they followed plain's (scripts/bench_batch.py's rows, 3 repeats each), and a fixed cycle
+    charged that to the same run on every pass (the sweep's load-aware run always followed the hybrid)."""
+    rng = random.Random(seed)
+    order = list(range(n))
+    while True:
+        rng.shuffle(order)
+        yield list(order)
+
+
 def interleave(runs: Sequence[Steps]) -> list[tuple[torch.Tensor, GenerationStats]]:
-    """Run generations (`plain_steps`, `speculative_steps`) one step each in turn until all are done; their
-    (new ids, stats) in order, each stats.total_time_s the seconds of its own steps. Methods compared on one
-    turn (eval.turns) run this way so that a slow spell of the machine falls on all of their passes alike,
-    not on whichever ran during it (tests/test_decoder.py plants a drift); one run alone is the ordinary
-    loop (`plain_generate`, `speculative_generate`)."""
+    """Run generations (`plain_steps`, `speculative_steps`) one step each per cycle (`cycle_orders`) until all are
+    done; their (new ids, stats) in order, each stats.total_time_s the seconds of its own steps. Methods
+    compared on one turn (eval.turns) run this way so that a slow spell of the machine falls on all of their
+    passes alike, not on whichever ran during it (tests/test_decoder.py plants a drift, and a slowdown after
+    one run's steps); one run alone is the ordinary loop (`plain_generate`, `speculative_generate`)."""
     results: list[Any] = [None] * len(runs)
     spent = [0.0] * len(runs)
-    live = list(range(len(runs)))
+    live = set(range(len(runs)))
+    orders = cycle_orders(len(runs))
     while live:
-        for i in list(live):
+        for i in next(orders):
+            if i not in live:
+                continue
             t = time.perf_counter()
             try:
                 next(runs[i])

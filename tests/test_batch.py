@@ -486,6 +486,30 @@ def test_interleaved_runs_share_the_drift_that_back_to_back_runs_split(tiny_targ
     assert b.decode_s / a.decode_s == pytest.approx(1.0, abs=0.06)
 
 
+def test_no_batch_run_always_follows_the_same_one():
+    """Mutant batch_runs_in_a_fixed_cycle: as tests/test_decoder.py's test for single streams, for the sweep's
+    runs: a pass right after the heavy run's costs 1.5, and two identical light runs must pay it alike."""
+    state = {"last": None}
+
+    class Fake:
+        def __init__(self, name: str, passes: int):
+            self.name, self.left, self.seconds = name, passes, 0.0
+
+        @property
+        def done(self) -> bool:
+            return self.left == 0
+
+        def step(self) -> None:
+            self.seconds += 1.5 if state["last"] == "heavy" and self.name != "heavy" else 1.0
+            state["last"], self.left = self.name, self.left - 1
+
+        def result(self) -> float:
+            return self.seconds
+
+    _, a, b = interleave_batches([Fake("heavy", 60), Fake("a", 60), Fake("b", 60)])
+    assert a / b == pytest.approx(1.0, abs=0.1) and 60 * 1.1 < a < 60 * 1.4
+
+
 def test_sweep_times_a_method_doing_plain_work_at_plain_speed_under_drift(tiny_target, monkeypatch):
     """A drafter that never drafts costs what plain costs; the sweep must say ~1.0x on a drifting machine
     (back-to-back runs read about 0.6x or 1.6x, by round order)."""

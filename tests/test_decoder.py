@@ -29,6 +29,7 @@ from eval.costs import (
     predicted_speedup,
 )
 from eval.decoder import (
+    GenerationStats,
     interleave,
     plain_generate,
     plain_steps,
@@ -307,6 +308,28 @@ def test_interleaved_generations_share_the_drift_that_back_to_back_ones_split(ta
         assert torch.equal(ids, reference[:n])
     assert b.total_time_s / a.total_time_s == pytest.approx(1.0, abs=0.04)
     assert a.target_passes == n - 1 and s.new_tokens == n
+
+
+def test_no_run_always_follows_the_same_one(monkeypatch):
+    """Mutant interleave_in_a_fixed_cycle: a step right after the heavy run's step costs 1.5 instead of 1 (a pass
+    after a heavier one is slower on these CPUs). Two identical light runs interleaved with the heavy one must
+    read alike; in a fixed cycle the one placed after the heavy run would pay the penalty on every step."""
+    import eval.decoder as decoder_mod
+
+    clock = {"t": 0.0, "last": None}
+
+    def run(name: str, steps: int):
+        yield
+        for _ in range(steps):
+            clock["t"] += 1.5 if clock["last"] == "heavy" and name != "heavy" else 1.0
+            clock["last"] = name
+            yield
+        return torch.empty(0), GenerationStats()
+
+    monkeypatch.setattr(decoder_mod, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock["t"])}))
+    (_, heavy), (_, a), (_, b) = interleave([run("heavy", 60), run("a", 60), run("b", 60)])
+    assert a.total_time_s / b.total_time_s == pytest.approx(1.0, abs=0.1)
+    assert 60 * 1.1 < a.total_time_s < 60 * 1.4  # each light run follows the heavy one in about half the cycles
 
 
 def test_gemma3_sliding_window_trees(prompt, cache):
