@@ -299,7 +299,7 @@ def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, method
                max_new_tokens: int, loads: dict[str, LoadAware], repeats: int,
                progress: Callable[[str], None] | None) -> dict[str, Any]:
     """One batch size of the sweep: `repeats` rounds, each running plain and every method pass-interleaved
-    (`interleave_batches`, the order rotated from round to round); a load-aware method's gate is its one LoadAware of
+    (`interleave_batches`: a fresh order every cycle; the list also rotated from round to round); a load-aware method's gate is its one LoadAware of
     the sweep (`loads`)."""
     order: list[Method | None] = [None, *methods]  # None = plain
     runs: dict[str, list[tuple[BatchResult, int]]] = {"plain": [], **{m.name: [] for m in methods}}
@@ -357,7 +357,7 @@ def sweep(
     repeats: int = 1,
 ) -> dict[str, Any]:
     """Throughput and per-request latency at each batch size: plain and every method pass-interleaved
-    (`interleave_batches`: one pass of each in turn), `repeats` rounds with the order rotated each round (a method's
+    (`interleave_batches`: one pass of each per cycle, in a fresh order), `repeats` rounds with the order rotated each round (a method's
     speedup is the median of its per-round ratios to that round's plain run, and within a round the machine's
     load drift falls on the passes of both sides of each ratio alike).
 

@@ -10,8 +10,8 @@
 The target comes from the head folder's config.json unless --target or --config names one; a head made
 for another target is refused with the mismatch named (exit code 2). Every question is asked turn by
 turn; a later turn sees the target's own PLAIN-decoded answers to the earlier ones (MT-bench turn 2).
-For every turn the methods run pass-interleaved (one pass of each in turn, each timed over its own passes;
-the first rotating from turn to turn), so machine noise hits plain and speculative decoding alike:
+For every turn the methods run pass-interleaved (one pass of each per cycle, in a fresh order every cycle,
+each timed over its own passes), so machine noise hits plain and speculative decoding alike:
   plain             token-by-token decoding (eval.decoder.plain_generate), the speedup reference
   head | ngram | head+ngram   the drafter under evaluation through the exact speculative decoder; head+ngram
                     is the head's tree with the n-gram proposal merged in as extra branches

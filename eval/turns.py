@@ -3,8 +3,8 @@
     runs = Turns(target, subject, costs, cfg.eval, seed, served).run(questions)   # [(temperature, Tally)]
 
 A later turn sees the target's own plain answer to the earlier ones. On each turn plain and the decoder's
-methods run pass-interleaved (eval.decoder.interleave: one pass of each in turn, each timed over its own
-passes), the first one rotating from turn to turn, so that machine noise hits plain and speculative decoding
+methods run pass-interleaved (eval.decoder.interleave: one pass of each per cycle, in a fresh order every
+cycle, each timed over its own passes; the list also rotates from turn to turn), so that machine noise hits plain and speculative decoding
 alike; transformers' prompt lookup runs whole after them. Every turn's sampling seed
 is data.sampling.turn_seed(seed, benchmark, question id, turn), regeneration's derivation. Called by
 eval.run.evaluate (python -m eval.run).
@@ -95,7 +95,7 @@ class Subject:
 @dataclass
 class Turns:
     """The per-turn loop: every question turn by turn at every temperature, all methods side by side per turn
-    (`turn`: pass-interleaved, the first one rotating from turn to turn; see the module docstring).
+    (`turn`: pass-interleaved, a fresh order every cycle; see the module docstring).
 
     A later turn sees the target's own plain answer to the earlier ones. With `served` (a dict,
     --engine vllm) every turn's prompt ids and seed are collected per (temperature, benchmark) for vLLM.
