@@ -192,12 +192,10 @@ class AdaptivePolicy:
         commit) against what `choose` priced that pass's drafts at; teaches `draft_scale` of the proposer
         priced highest in it (a hybrid's pass is mostly its head's time when the head drafted)."""
         priced, self._priced = self._priced, {}
-        if not priced:
+        total = sum(priced.values())
+        if total <= 0:  # a plain pass, or drafts priced at nothing: no scale to learn
             return
         owner = max(priced, key=priced.__getitem__)
-        total = sum(priced.values())
-        if total <= 0:
-            return
         seen, was = self._drafting.setdefault(owner, [self.weight * total, self.weight * total])
         self._drafting[owner] = [self.decay * seen + seconds, self.decay * was + total]
 

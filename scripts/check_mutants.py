@@ -351,14 +351,20 @@ def baseline_runs(mutants: list[Mutant]) -> list[tuple[str, ...]]:
             for path, ks in sorted(by_file.items())]
 
 
+def snippet_count(m: Mutant) -> int:
+    """How often `m`'s snippet occurs in its file: it is planted only when exactly once (tests/test_faults.py
+    checks every mutant's in the default suite)."""
+    return (ROOT / m.path).read_text().count(m.old)
+
+
 def check(m: Mutant, timeout: float) -> tuple[str, float]:
     """Plant `m`, run its tests, restore the file: ('caught' | 'MISSED' | 'ERROR: ...', seconds)."""
+    n = snippet_count(m)
+    if n != 1:
+        return f"ERROR: snippet found {n} times in {m.path}", 0.0
     path = ROOT / m.path
     original = path.read_bytes()
     text = original.decode()
-    n = text.count(m.old)
-    if n != 1:
-        return f"ERROR: snippet found {n} times in {m.path}", 0.0
     try:
         path.write_text(text.replace(m.old, m.new))
         outcome, dt = run_pytest(m.tests, timeout)
