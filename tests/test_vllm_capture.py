@@ -136,7 +136,9 @@ def test_extract_sbatch_runs_one_vllm_process_per_tp_group_of_the_node(tmp_path)
         assert r.returncode == 0, r.stderr
         return [line for line in r.stdout.splitlines() if line.startswith("GPUS=")]
 
-    runs = task(1, 2, 4, "--features.vllm_tensor_parallel_size=2")  # task 1 of 2, 4 GPUs, TP 2: 2 processes
+    # task 1 of 2, 4 GPUs, TP 2: 2 processes, started in the background, so their lines arrive in either order;
+    # sorted by GPU group, each group must still carry its own shard
+    runs = sorted(task(1, 2, 4, "--features.vllm_tensor_parallel_size=2"))
     assert [line.split(" -m ")[0] for line in runs] == ["GPUS=0,1", "GPUS=2,3"]
     assert ["--shard-index 2 --num-shards 4" in runs[0], "--shard-index 3 --num-shards 4" in runs[1]] == [True, True]
     assert all("data.extract" in line and "accelerate" not in line for line in runs)
