@@ -112,6 +112,9 @@ class GenerationStats:
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0  # drafter.begin/draft/commit
     verify_time_s: float = 0.0  # target forward + acceptance + cache rollback
+    # The verify forwards alone (kv.run; on a GPU their launch, the wait lands in what reads the logits): the
+    # rest of decode_time_s is the loop's own drafting, judging and bookkeeping (scripts/bench_batch.py).
+    forward_time_s: float = 0.0
     total_time_s: float = 0.0
     generations: int = 0
 
@@ -158,7 +161,7 @@ class GenerationStats:
         """A new GenerationStats summing self and other (for per-benchmark totals)."""
         out = GenerationStats(**{k: v for k, v in asdict(self).items()})
         for name in ("new_tokens", "target_passes", "accepted_tokens", "drafted_tokens", "prefill_time_s",
-                     "draft_time_s", "verify_time_s", "total_time_s", "generations"):
+                     "draft_time_s", "verify_time_s", "forward_time_s", "total_time_s", "generations"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("accepted_per_position", "judged_per_position", "drafted_per_position"):
             a, b = getattr(self, name), getattr(other, name)
@@ -330,6 +333,7 @@ def plain_steps(
     while len(out) < max_new_tokens and out[-1] not in eos:
         tv = time.perf_counter()
         logits, _ = kv.run(torch.tensor([[out[-1]]]), logits_to_keep=1)
+        stats.forward_time_s += time.perf_counter() - tv
         kv.keep([0])
         out.append(_next_token(logits[0, -1], temperature, top_k, top_p, generator))
         stats.verify_time_s += time.perf_counter() - tv
@@ -519,6 +523,7 @@ def speculative_steps(
         stats.draft_time_s += tv - td
         # Built where the drafter left its tokens; the cache moves them (a static one without a host sync).
         logits, feats = kv.run(torch.cat([tree.tokens.new_tensor([out[-1]]), tree.tokens])[None], tree.parents)
+        stats.forward_time_s += perf() - tv
         verdict = judge(tree, logits[0], temperature, top_k, top_p, generator)
         accepted, nxt, path = verdict.accepted, verdict.next_token, verdict.path
         # The pass added the root (kept) and the nodes (keep the accepted ones, packed after the root).

@@ -21,9 +21,10 @@ against the forward without it, timed pass by pass alternately. Without --head a
 configs/smollm2-135m.yaml's shape is built on the target (its weights do not matter: it never drafts).
 
 JSON keys: threads, target, head, new_tokens, rows: [{setting, batch_size, plain_pass_ms, off_pass_ms,
-off_vs_plain, off_vs_plain_range, identical, drafted_tokens, and for batches plain_outside_ms, off_outside_ms:
-seconds per pass outside the target's forward, the drafting-off pass's own bookkeeping without the forward's
-noise}], capture: [{batch_size, plain_forward_ms, capture_forward_ms, capture_vs_plain}]: the forward with
+off_vs_plain, off_vs_plain_range, identical, drafted_tokens, plain_outside_ms, off_outside_ms: seconds per pass
+outside the target's forward, the drafting-off pass's own bookkeeping without the forward's noise, and
+loop_vs_plain: 1 + (off_outside - plain_outside) / plain pass, the share of off_vs_plain that bookkeeping
+explains}], capture: [{batch_size, plain_forward_ms, capture_forward_ms, capture_vs_plain}]: the forward with
 and without the head's capture, timed pass by pass alternately (what remains of a drafting-off pass inside
 the forward, at the prompts' context).
 """
@@ -68,14 +69,16 @@ def _never(sources: tuple[str, ...]) -> AdaptivePolicy:
                           probe_every=10**9)
 
 
-def _single(model, ids, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int, None]:
-    """(plain seconds per pass, drafting-off seconds per pass, identical, drafted tokens, None) for one prompt,
-    the two pass-interleaved (eval.decoder.interleave), the first one alternating between repeats."""
+def _single(model, ids, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int, tuple]:
+    """(plain seconds per pass, drafting-off seconds per pass, identical, drafted tokens, (plain, drafting-off)
+    seconds per pass outside the target's forward) for one prompt, the two pass-interleaved
+    (eval.decoder.interleave), the first one alternating between repeats."""
     runs = [plain_steps(model, ids, n),
             speculative_steps(model, ids, DeferredSync(make_head()), 0, n, policy=_never(("draft",)))]
     (plain_ids, ps), (off_ids, os_) = _ordered(interleave, runs, first_plain)
     return (ps.decode_time_s / ps.target_passes, os_.decode_time_s / os_.target_passes,
-            bool(torch.equal(plain_ids, off_ids)), os_.drafted_tokens, None)
+            bool(torch.equal(plain_ids, off_ids)), os_.drafted_tokens,
+            tuple((st.decode_time_s - st.forward_time_s) / st.target_passes for st in (ps, os_)))
 
 
 def _batched(model, rows, pad, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int, tuple]:
@@ -119,18 +122,18 @@ def _measure(name: str, b: int, fn, repeats: int) -> dict:
         plain.append(p)
         off.append(o)
         same, drafted = same and s, drafted + d
-        if x is not None:
-            outside.append(x)
+        outside.append(x)
     pm, om = statistics.median(plain), statistics.median(off)
     ratios = sorted(o / p for o, p in zip(off, plain))
     # the ratio of each repeat's pair (pass-interleaved), then their median: drift between repeats cancels;
     # the spread of the ratios says how far the machine's noise lets that median be trusted
     row = {"setting": name, "batch_size": b, "plain_pass_ms": 1000 * pm, "off_pass_ms": 1000 * om,
            "off_vs_plain": statistics.median(ratios), "off_vs_plain_range": [ratios[0], ratios[-1]],
-           "identical": same, "drafted_tokens": drafted}
-    if outside:  # time outside the target's forward: the bookkeeping a drafting-off pass adds, without its noise
-        row["plain_outside_ms"] = 1000 * statistics.median(x[0] for x in outside)
-        row["off_outside_ms"] = 1000 * statistics.median(x[1] for x in outside)
+           "identical": same, "drafted_tokens": drafted,
+           # time outside the target's forward: the bookkeeping a drafting-off pass adds, without its noise
+           "plain_outside_ms": 1000 * statistics.median(x[0] for x in outside),
+           "off_outside_ms": 1000 * statistics.median(x[1] for x in outside)}
+    row["loop_vs_plain"] = 1 + (row["off_outside_ms"] - row["plain_outside_ms"]) / row["plain_pass_ms"]
     return row
 
 
@@ -191,13 +194,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"target {args.target}, head {args.head or 'fresh EAGLE-3 (never drafts)'}, {torch.get_num_threads()} "
           f"threads, {n} new tokens per row, median of {args.repeats}")
     print("| setting | plain ms/pass | drafting off ms/pass | off / plain (range) | outside the forward ms/pass, "
-          "plain / off | identical | drafted tokens |")
-    print("|---|---|---|---|---|---|---|")
+          "plain / off | of which the loop | identical | drafted tokens |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         lo, hi = r["off_vs_plain_range"]
-        outside = f"{r['plain_outside_ms']:.2f} / {r['off_outside_ms']:.2f}" if "off_outside_ms" in r else "-"
         print(f"| {r['setting']} | {r['plain_pass_ms']:.1f} | {r['off_pass_ms']:.1f} | {r['off_vs_plain']:.3f}x "
-              f"({lo:.2f}-{hi:.2f}) | {outside} | {'yes' if r['identical'] else 'NO'} | {r['drafted_tokens']} |")
+              f"({lo:.2f}-{hi:.2f}) | {r['plain_outside_ms']:.2f} / {r['off_outside_ms']:.2f} | "
+              f"{r['loop_vs_plain']:.3f}x | {'yes' if r['identical'] else 'NO'} | {r['drafted_tokens']} |")
     print("\n| batch | forward ms, plain | with the head's capture | capture / plain (pass by pass) |")
     print("|---|---|---|---|")
     for f in forwards:

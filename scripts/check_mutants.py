@@ -276,6 +276,11 @@ MUTANTS: list[Mutant] = [
            "        return self.costs[source](nodes) * self.draft_scale(source) if nodes else 0.0",
            "        return self.costs[source](nodes) if nodes else 0.0",
            ("tests/test_policy.py", "-k", "seen_to_cost")),
+    # the forward time taken from the pass's start: the policy's choice and the draft counted as the target's
+    Mutant("forward_time_from_the_pass_start", "eval/decoder.py",
+           "        stats.forward_time_s += perf() - tv\n",
+           "        stats.forward_time_s += perf() - td\n",
+           ("tests/test_policy.py", "-k", "drafters_own_seconds")),
     # interleaved runs in one fixed cycle: a run always follows the same other run, and pays what that one leaves
     Mutant("interleave_in_a_fixed_cycle", "eval/decoder.py",
            "        rng.shuffle(order)\n",

@@ -280,7 +280,8 @@ def test_drafting_priced_at_what_it_was_seen_to_cost():
 
 def test_the_decoder_reports_the_drafters_own_seconds(target, prompt, reference):  # noqa: F811 (fixtures imported from test_decoder)
     """observe_drafting gets, after every drafting pass and only then, the drafter's seconds (its draft and
-    commit, here each sleeping 3 ms), not the policy's own choice (sleeping 30 ms)."""
+    commit, here each sleeping 3 ms), not the policy's own choice (sleeping 30 ms); the stats' forward time is
+    the target's forwards alone, none of those sleeps."""
     import time
 
     class Slow(NgramDrafter):
@@ -308,6 +309,8 @@ def test_the_decoder_reports_the_drafters_own_seconds(target, prompt, reference)
     drafting_passes = sum(1 for n in st.nodes_per_pass if n)
     assert len(pol.seen) == drafting_passes > 3
     assert all(0.003 <= x < 0.03 for x in pol.seen)
+    assert 0 < st.forward_time_s < st.verify_time_s
+    assert st.decode_time_s - st.forward_time_s >= 0.03 * st.target_passes + 0.003 * drafting_passes
 
 
 def test_measured_prior_stops_at_the_first_untested_depth():
