@@ -431,41 +431,55 @@ class LoadAware:
     at any batch size. `gated` counts dropped drafts.
 
     The model can be wrong where nothing it prices is measured: the heads' per-row drafting and commits, the
-    tree mask, Python bookkeeping per row. So every drafting pass is also timed whole (`observe_cycle`: draft,
-    verify, commits) and its realised tokens/s set against the rate the gate predicted for it; the running
-    ratio at that batch size (`realised`, an EMA, 1 before any drafting pass; a size not yet drafted at starts
-    from the nearest one within a factor of 1.5, else from the largest smaller one) scales every later drafting
-    score there. A batch size where drafting delivers less than predicted stops drafting once its realised rate
-    falls under plain's, whatever the surface says.
+    tree mask, Python bookkeeping per row; and the rows' acceptance estimates can be optimistic. So every
+    drafting pass is also timed whole (`observe_cycle`: draft, verify, commits) and set against what the gate
+    planned for it, in two parts whose product (`realised`) scales every later drafting score:
+    - time: priced over observed seconds, per batch size (what the gate cannot price grows with the rows). One
+      pass measures it to a few percent. A size not yet drafted at takes the nearest one's within a factor of
+      1.5, else the largest smaller one's: a smaller batch's ratio bounds a larger one's from above, so a new
+      size is priced no worse than it can be and drafts where the surface says it pays, which measures it.
+    - tokens: emitted over expected, pooled over every size (acceptance is the rows', not the batch's) and
+      decayed slowly (`token_decay`), since one pass's count is as noisy as acceptance itself (1 to k + 1 a row).
+    A single ratio per size of realised over predicted tokens/s, an EMA of 0.7, was tried first: one pass moved
+    it between 0.78 and 1.68 at batch 1, it ended one sweep's batch-1 runs at 0.85 although that size's passes
+    delivered 1.00 of the prediction over 11 of them in another, and every larger size inherited the 0.85 and
+    never drafted (docs/batching.md). A batch size where drafting delivers less than predicted stops drafting
+    once its realised rate falls under plain's, whatever the surface says.
     """
 
-    def __init__(self, surface: Mapping[int, VerifyCost], margin: float = 1.05, decay: float = 0.7):
-        if not surface or margin < 1.0 or not 0.0 <= decay < 1.0:
-            raise ValueError("LoadAware: need a non-empty cost surface, margin >= 1 and decay in [0, 1)")
-        self.surface, self.margin, self.decay = dict(surface), margin, decay
+    def __init__(self, surface: Mapping[int, VerifyCost], margin: float = 1.05, decay: float = 0.7,
+                 token_decay: float = 0.95):
+        if not surface or margin < 1.0 or not (0.0 <= decay < 1.0 and 0.0 <= token_decay < 1.0):
+            raise ValueError("LoadAware: need a non-empty cost surface, margin >= 1 and decays in [0, 1)")
+        self.surface, self.margin, self.decay, self.token_decay = dict(surface), margin, decay, token_decay
         self.curves: dict[int, ScaledCurve] = {}
         self.gated = 0
-        self._realised: dict[int, tuple[float, float]] = {}  # batch -> (decayed sum of ratios, decayed count)
-        self._planned: tuple[int, float] | None = None  # the last drafting pass: (batch, predicted tokens/s)
+        self._time: dict[int, tuple[float, float]] = {}  # batch -> decayed (priced, observed) drafting seconds
+        self._tokens = (0.0, 0.0)  # decayed (emitted, expected) tokens of every drafting pass
+        self._planned: tuple[int, float, float] | None = None  # the last drafting pass: (batch, expected
+        # tokens, priced seconds)
         self._backoff: dict[int, tuple[int, int]] = {}  # batch -> (passes left unpriced, plain pricings in a row)
 
     def realised(self, batch: int) -> float:
-        """Realised over predicted tokens/s of this batch size's drafting passes so far. A size with none yet
-        takes the nearest size's within a factor of 1.5 (rows that finish shrink a batch one size at a time,
-        and each new size would otherwise start trusting the cost model again), else the largest smaller
-        size's: what the gate cannot price (each row's drafting and commits, one after another) grows with the
-        rows while the pass grows slower, so a smaller batch's ratio bounds a larger one's from above. 1.0 when
-        there is none."""
-        seen = [b for b, (_, count) in self._realised.items() if count]
+        """What this batch size's drafting passes deliver of the gate's prediction: the pooled token ratio times
+        the size's time ratio (the class doc). 1.0 before any drafting pass."""
+        emitted, expected = self._tokens
+        return (emitted / expected if expected > 0 else 1.0) * self.time_ratio(batch)
+
+    def time_ratio(self, batch: int) -> float:
+        """Priced over observed seconds of this batch size's drafting passes; a size with none takes the nearest
+        size's within a factor of 1.5 (rows that finish shrink a batch one size at a time), else the largest
+        smaller size's (an upper bound: the class doc), else 1.0."""
+        seen = [b for b, (_, observed) in self._time.items() if observed > 0]
         near = [b for b in seen if batch / 1.5 <= b <= batch * 1.5]
         below = [b for b in seen if b < batch]
         if near:
-            total, count = self._realised[min(near, key=lambda b: (abs(b - batch), b))]
+            priced, observed = self._time[min(near, key=lambda b: (abs(b - batch), b))]
         elif below:
-            total, count = self._realised[max(below)]
+            priced, observed = self._time[max(below)]
         else:
             return 1.0
-        return total / count
+        return priced / observed
 
     def observe_cycle(self, batch: int, tokens: int, seconds: float) -> None:
         """One whole pass (drafting, the verify forward, every row's commit) of `batch` rows that emitted
@@ -473,8 +487,11 @@ class LoadAware:
         planned, self._planned = self._planned, None
         if planned is None or planned[0] != batch or seconds <= 0:
             return
-        total, count = self._realised.get(batch, (0.0, 0.0))
-        self._realised[batch] = (self.decay * total + tokens / seconds / planned[1], self.decay * count + 1.0)
+        _, expected, priced = planned
+        emitted, total = self._tokens
+        self._tokens = (self.token_decay * emitted + tokens, self.token_decay * total + expected)
+        p, o = self._time.get(batch, (0.0, 0.0))
+        self._time[batch] = (self.decay * p + priced, self.decay * o + seconds)
 
     def curve(self, batch: int) -> ScaledCurve:
         """T(batch, n): the measured (or interpolated) shape at the load the run's passes show."""
@@ -533,18 +550,18 @@ class LoadAware:
             choices.append(c)
             plans.append(policy.expected(c))
         best_w, best = 0, self.margin * b / curve(1)
-        realised, predicted = self.realised(b), 0.0
+        realised, planned = self.realised(b), (0.0, 0.0)
         for w in sorted({n for _, _, n in plans if n}):
             kept = [p for p in plans if p[2] <= w]
             e = sum(p[0] for p in kept) + (b - len(kept))
-            score = e / (sum(p[1] for p in kept) + curve(1 + w))
-            if realised * score > best * (1 + 1e-9):
-                best_w, best, predicted = w, realised * score, score
+            seconds = sum(p[1] for p in kept) + curve(1 + w)
+            if realised * e / seconds > best * (1 + 1e-9):
+                best_w, best, planned = w, realised * e / seconds, (e, seconds)
         for i, (_, _, n) in enumerate(plans):
             if n > best_w:
                 choices[i] = dict.fromkeys(choices[i], 0)
                 self.gated += 1
-        self._planned = (b, predicted) if best_w else None
+        self._planned = (b, *planned) if best_w else None
         if best_w:
             self._backoff[b] = (0, 0)
         else:
