@@ -555,8 +555,9 @@ class LoadAware:
             kept = [p for p in plans if p[2] <= w]
             e = sum(p[0] for p in kept) + (b - len(kept))
             seconds = sum(p[1] for p in kept) + curve(1 + w)
-            if realised * e / seconds > best * (1 + 1e-9):
-                best_w, best, planned = w, realised * e / seconds, (e, seconds)
+            score = e / seconds
+            if realised * score > best * (1 + 1e-9):
+                best_w, best, planned = w, realised * score, (e, seconds)
         for i, (_, _, n) in enumerate(plans):
             if n > best_w:
                 choices[i] = dict.fromkeys(choices[i], 0)

@@ -228,8 +228,8 @@ MUTANTS: list[Mutant] = [
            ("tests/test_batch.py", "-k", "own_accepted_length"), quick=True),
     # the load-aware gate trusts its cost model: drafting passes that deliver less than priced keep drafting
     Mutant("load_aware_ignores_realised_rate", "eval/policy.py",
-           "            if realised * e / seconds > best * (1 + 1e-9):",
-           "            if e / seconds > best * (1 + 1e-9):",
+           "            if realised * score > best * (1 + 1e-9):",
+           "            if score > best * (1 + 1e-9):",
            ("tests/test_batch.py", "-k", "deliver_less or slower_than_priced or full_pricing")),
     # the gate's token ratio decays as fast as its seconds: a smaller size's last unlucky passes shut a new size
     Mutant("tokens_decayed_per_pass_like_time", "eval/policy.py",

@@ -46,7 +46,7 @@ def gloo_threads() -> list[str]:
 
 
 def settled_gloo_threads() -> tuple[list[str], float]:
-    """The gloo threads left once they stop ending (or SETTLE_S passed), and the seconds waited."""
+    """The gloo threads still running once none is left or SETTLE_S has passed, and the seconds waited."""
     start = time.monotonic()
     left = gloo_threads()
     while left and time.monotonic() - start < SETTLE_S:
