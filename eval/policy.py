@@ -424,11 +424,15 @@ class LoadAware:
     Per pass, with B rows: row r's policy chooses its lengths against n -> T(B, n) / B (RowShare), which gives
     its expected tokens E_r, drafting seconds D_r and nodes n_r (AdaptivePolicy.expected). The pass is as wide
     as its widest row, so the gate keeps the drafts of the rows with n_r <= w for the w (0 or one of the n_r)
-    maximising  sum_r E_r(w) / (sum_r D_r(w) + T(B, 1 + w))  (a dropped row: E 1, D 0), and w = 0 (a plain
+    maximising  sum_r E_r(w) / (L sum_r D_r(w) + T(B, 1 + w))  (a dropped row: E 1, D 0), and w = 0 (a plain
     pass, no drafter called) unless that beats plain decoding's B / T(B, 1) by `margin` (default 5%: the
     measured costs are noisy on a shared machine, and a predicted gain smaller than that noise is not worth
     risking a loss for). So drafting never buys a pass the cost surface says is slower than plain decoding,
-    at any batch size. `gated` counts dropped drafts.
+    at any batch size. `gated` counts dropped drafts. L is the size's load factor (ScaledCurve.scale, observed
+    over measured seconds of its passes): the drafters were timed at calibration beside the surface, so the
+    machine's load slows them as much as the target. Left unscaled, a load factor raised by a run's first,
+    slower passes made the target alone dearer, and a draft the surface priced 1% past the margin at batch 1
+    went through and lost (docs/batching.md).
 
     The model can be wrong where nothing it prices is measured: the heads' per-row drafting and commits, the
     tree mask, Python bookkeeping per row; and the rows' acceptance estimates can be optimistic. So every
@@ -554,7 +558,7 @@ class LoadAware:
         for w in sorted({n for _, _, n in plans if n}):
             kept = [p for p in plans if p[2] <= w]
             e = sum(p[0] for p in kept) + (b - len(kept))
-            seconds = sum(p[1] for p in kept) + curve(1 + w)
+            seconds = curve.scale * sum(p[1] for p in kept) + curve(1 + w)
             score = e / seconds
             if realised * score > best * (1 + 1e-9):
                 best_w, best, planned = w, realised * score, (e, seconds)

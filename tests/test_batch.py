@@ -295,6 +295,28 @@ def test_load_aware_realised_rate_scales_the_full_pricing_not_only_its_bound():
     assert all(c["draft"] == 0 for c in load.choose(rows, [8] * 2))
 
 
+def test_load_aware_gate_prices_drafting_at_the_load_it_prices_the_target():
+    """A load that slows every pass (plain passes observed at 1.5x the surface) slows the drafters timed beside
+    it as much: a draft the gate drops at the surface's own level stays dropped. Scaling the target alone made
+    dear drafting look cheaper under load and let a draft 1% short of the margin through. Mutant
+    load_aware_drafting_unscaled_by_load."""
+    def dear():
+        verify = VerifyCost({1: 0.05, 2: 0.055, 4: 0.06, 8: 0.07, 16: 0.09}, context_len=64)
+        return AdaptivePolicy(verify, {"draft": DraftCost(0.02, 0.01)}, {"draft": [0.9] * 4})
+
+    probe = LoadAware(_surface(0.0), margin=1.0)
+    assert probe.choose([(object(), dear())], [8])[0]["draft"] > 0
+    _, expected, priced = probe._planned
+    gain = expected / priced * probe.curve(1)(1)  # over plain's 1 / T(1, 1)
+    assert gain > 1.0
+    for factor, margin, drafts in ((1.5, 1.01 * gain, False), (1.0, 1.01 * gain, False), (1.5, 0.99 * gain, True)):
+        load = LoadAware(_surface(0.0), margin=margin)
+        for _ in range(4):
+            load.observe(1, 1, factor * load.curve(1).fit(1))
+        assert load.curve(1).scale == pytest.approx(factor)
+        assert (load.choose([(object(), dear())], [8])[0]["draft"] > 0) == drafts, (factor, margin)
+
+
 def test_load_aware_pools_tokens_over_sizes_and_times_each_size():
     """Fewer tokens than expected lower every size's rate (acceptance is the rows'), slower passes only their
     own size's and larger ones'."""
