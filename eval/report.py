@@ -144,7 +144,7 @@ def batch_lines(bs: dict[str, Any]) -> list[str]:
     lines = ["", "## Batch-size sweep", "",
              f"Greedy, {bs['max_new_tokens']} new tokens per row, tokens/s = {bs['tokens_per_s']}, latency = "
              f"{bs['latency']}. Every row keeps its own accepted length (ragged acceptance, eval/batch.py). Methods: "
-             + "; ".join(f"{n} (k {bs['k'][n]}, {bs['policy'][n]})" for n in names) + ".", "",
+             + "; ".join(f"{n} (k {bs['k'][n]}, {bs['policy'][n]})" for n in names) + "." + _rounds(bs), "",
              "| batch | plain tok/s | plain latency s | " + " | ".join(f"{n} tok/s (speedup) | {n} latency s | {n} tau"
                                                             for n in names) + " | identical |",
              "|---" * (3 + 3 * len(names) + 1) + "|"]
@@ -161,6 +161,15 @@ def batch_lines(bs: dict[str, Any]) -> list[str]:
                           for n, t in bs["single_stream_tau"].items() if bs["rows"]) + ".", ""]
     lines += ["```", *text_plot(bs), "```", ""]
     return lines
+
+
+def _rounds(bs: dict[str, Any]) -> str:
+    """The sweep's rounds, as the report's sentence (empty for a report written before they were recorded)."""
+    if not bs.get("repeats"):
+        return ""
+    extra = (f", the load-aware policy's over {bs['load_aware_repeats']} (the extra ones beside plain alone)"
+             if bs.get("load_aware_repeats") else "")
+    return f" Speedup = median of per-round ratios over {bs['repeats']} rounds{extra}."
 
 
 def served_lines(benchmarks: dict[str, Any]) -> list[str]:

@@ -178,7 +178,7 @@ def _sweep_methods(subject: Subject, costs: Costs) -> list[Method]:
 
 def _batch_sweep(target: Target, subject: Subject, costs: Costs, questions: dict[str, list[Question]],
                  batch_sizes: list[int], sweep_new_tokens: int, log: Callable[[str], None],
-                 repeats: int = 2) -> dict[str, Any]:
+                 repeats: int = 2, load_aware_repeats: int = 8) -> dict[str, Any]:
     """report.json's `batch_sweep` (eval/batch.py) on every question's first turn: plain, the drafter under
     evaluation and the hybrid at fixed k, and the load-aware policy priced by the cost surface T(B, n) measured
     here first (eval.costs.measure_cost_surface)."""
@@ -191,7 +191,7 @@ def _batch_sweep(target: Target, subject: Subject, costs: Costs, questions: dict
     surface = measure_cost_surface(target.model, batch_sizes, SURFACE_SIZES, context_len=context)
     return sweep(target.model, prompts, tok.pad_token_id if tok.pad_token_id is not None else target.eos[0],
                  batch_sizes, methods, max_new_tokens=sweep_new_tokens, surface=surface, progress=log,
-                 repeats=repeats)
+                 repeats=repeats, load_aware_repeats=load_aware_repeats)
 
 
 def evaluate(
@@ -204,6 +204,7 @@ def evaluate(
     baselines: Sequence[str] = BASELINES,
     sweep_new_tokens: int = 32,
     sweep_repeats: int = 2,
+    sweep_load_aware_repeats: int = 8,
     seed: int = 0,
     loaded: tuple[nn.Module, Any, Any] | None = None,
     log: Callable[[str], None] = print,
@@ -246,7 +247,7 @@ def evaluate(
             raise EvalError(str(e)) from None
     speedup = speedup_section(runs[0][1], subject.main, costs)
     batch = _batch_sweep(target, subject, costs, questions, cfg_eval.batch_sizes, sweep_new_tokens, log,
-                         sweep_repeats)
+                         sweep_repeats, sweep_load_aware_repeats)
     report = assemble_report(target_cfg, head_dir, subject, costs, cfg_eval, target.device,
                              benchmarks=benchmarks, speedup=speedup, batch=batch, vllm_concurrency=engine_curve)
     write_report(report, out_dir, config_yaml)
@@ -274,6 +275,9 @@ def _flags(p: argparse.ArgumentParser) -> None:
                    help="tokens per row in the batch sweep")
     p.add_argument("--sweep-repeats", type=number_arg("--sweep-repeats"), default=2,
                    help="rounds per batch size in the sweep, order rotated (speedup: median of per-round ratios)")
+    p.add_argument("--sweep-load-aware-repeats", type=number_arg("--sweep-load-aware-repeats"), default=8,
+                   help="rounds in all for the load-aware policy, the extra ones beside plain only (its bound "
+                   "is 2%% of plain; one round of plain against plain varies by 2-3%%)")
     p.add_argument("--threads", type=number_arg("--threads", minimum=0),
                    help="torch CPU threads (default without a GPU: 1, see the module doc; "
                    "0 = torch's own choice)")
@@ -315,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     claim_eval_folder(out)  # before any work: a folder eval must not write into is refused at once
     report = evaluate(args.head, ev, out, target_cfg, drafter=drafter,
                       baselines=[b.strip() for b in args.baselines.split(",") if b.strip()],
-                      sweep_new_tokens=args.sweep_new_tokens, sweep_repeats=args.sweep_repeats, seed=cfg.seed,
+                      sweep_new_tokens=args.sweep_new_tokens, sweep_repeats=args.sweep_repeats,
+                      sweep_load_aware_repeats=args.sweep_load_aware_repeats, seed=cfg.seed,
                       engine=args.engine,
                       config_yaml=config_text(cfg))
     print(markdown(report))

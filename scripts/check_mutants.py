@@ -296,6 +296,11 @@ MUTANTS: list[Mutant] = [
            "        rng.shuffle(order)\n",
            "",
            ("tests/test_decoder.py", "-k", "always_follows")),
+    # the load-aware policy's extra rounds are skipped: two rounds cannot resolve its 2% bound
+    Mutant("load_aware_rounds_not_extended", "eval/batch.py",
+           "    for rep in range(max(repeats, load_aware_repeats)):",
+           "    for rep in range(repeats):",
+           ("tests/test_batch.py", "-k", "extra_rounds")),
     Mutant("batch_runs_in_a_fixed_cycle", "eval/batch.py",
            "        for i in next(orders):\n            if not runs[i].done:",
            "        for i in range(len(runs)):\n            if not runs[i].done:",

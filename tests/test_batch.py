@@ -595,6 +595,30 @@ def test_sweep_times_a_method_doing_plain_work_at_plain_speed_under_drift(tiny_t
             assert s == pytest.approx(1.0, abs=0.06), r
 
 
+def test_load_aware_methods_take_their_extra_rounds_beside_plain_alone(tiny_target, monkeypatch):
+    """load_aware_repeats: the load-aware method runs that many rounds, each paired with its own round's plain
+    run (under drift every ratio stays ~1.0), while a fixed method runs `repeats` rounds only."""
+    model, tok, _ = tiny_target
+    prompts = _prompts(tok, 2)
+    _drifting_clock(monkeypatch)
+    fixed_runs = []
+
+    def fixed() -> Idle:
+        fixed_runs.append(1)
+        return Idle()
+
+    aware = Method("aware", 3, Idle, make_policy=lambda: _policy(("draft",), prior=0.0), load_aware=True)
+    out = sweep(model, prompts, tok.pad_token_id, [1, 2], [Method("fixed", 3, fixed), aware], max_new_tokens=8,
+                surface=_surface(1.0), repeats=2, load_aware_repeats=5)
+    # a drafter per row and round (2 rounds of 1 row and of 2 rows), and one for the single-stream tau check
+    assert out["load_aware_repeats"] == 5 and len(fixed_runs) == 2 * (1 + 2) + 1
+    for r in out["rows"]:
+        assert len(r["methods"]["fixed"]["speedups"]) == 2
+        assert len(r["methods"]["aware"]["speedups"]) == 5
+        for s in r["methods"]["aware"]["speedups"]:
+            assert s == pytest.approx(1.0, abs=0.06), r
+
+
 def _batched_pvalue(model, draft_model, rows: int, batches: int) -> float:
     """Chi-square p-value of batched speculative sampling (T 1, top-3, k 2, 4 new tokens per row, a sampling
     ModelDrafter per row) against plain sampling's exact law; every row of every batch is one sample."""
