@@ -334,6 +334,7 @@ def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, method
             "speedup": median(r.tokens_per_s / p.tokens_per_s for r, p in zip(res, plain)),
             "speedups": [r.tokens_per_s / p.tokens_per_s for r, p in zip(res, plain)],
             "latency_s": median(r.latency_s for r in res), "tau": median(r.tau for r in res),
+            "drafted_tokens": [r.stats.drafted_tokens for r in res],  # per round: whether a gate drafted at all
             "identical": all(bool(torch.equal(plain_all[0].tokens, r.tokens)) for r in res),
             "chosen_k": {s: {str(n): c for n, c in cs.items()} for s, cs in first.stats.chosen_k.items()},
             "gated_drafts": runs[m.name][0][1]}
@@ -375,7 +376,7 @@ def sweep(
 
     Rows are the prompts cycled to fill the batch. Returns the report's `batch_sweep` section: {"methods",
     "max_new_tokens", "rows": [{batch_size, plain_tok_s, plain_latency_s, methods: {name: {tok_s, speedup,
-    latency_s, tau, identical, chosen_k}}}], "crossover": {name: batch size}, "single_stream_tau": {name:
+    latency_s, tau, identical, chosen_k, drafted_tokens per round}}}], "crossover": {name: batch size}, "single_stream_tau": {name:
     tau}, "cost_surface_ms"}. A method's crossover is the first batch size whose throughput is not above
     plain (None when it pays over the whole range); single_stream_tau is the decoder's tau on batch 1's row.
     surface (eval.costs.measure_cost_surface) is required by load-aware methods.

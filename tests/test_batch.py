@@ -614,7 +614,7 @@ def test_load_aware_methods_take_their_extra_rounds_beside_plain_alone(tiny_targ
     assert out["load_aware_repeats"] == 5 and len(fixed_runs) == 2 * (1 + 2) + 1
     for r in out["rows"]:
         assert len(r["methods"]["fixed"]["speedups"]) == 2
-        assert len(r["methods"]["aware"]["speedups"]) == 5
+        assert len(r["methods"]["aware"]["speedups"]) == 5 and r["methods"]["aware"]["drafted_tokens"] == [0] * 5
         for s in r["methods"]["aware"]["speedups"]:
             assert s == pytest.approx(1.0, abs=0.06), r
 
