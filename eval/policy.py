@@ -375,11 +375,15 @@ class ScaledCurve:
 
 
 class RowShare:
-    """One row's share of a batch pass at batch size `batch`: n -> T(batch, n) / batch, from the batch size's
-    learned curve. An AdaptivePolicy priced with it weighs a row's expected tokens against what its draft adds
-    to the one pass every row shares (eval.batch)."""
+    """One row's share of a batch pass at batch size `batch`: n -> T(batch, n) / batch at the surface's own level
+    (the curve's shape, without its load factor). An AdaptivePolicy priced with it weighs a row's expected tokens
+    against what its draft adds to the one pass every row shares (eval.batch). Its drafting seconds are the
+    calibration's, timed beside the surface, so both sides are priced at the same load and a load factor cancels,
+    as in LoadAware's score. With the factor on the pass only, a target that ran 50 times faster than its
+    surface (a tiny model, or a quieter machine than the measurement's) made every draft look 50 times dearer
+    than its pass, and the rows stopped drafting on a flat surface (tests/test_batch.py)."""
 
-    def __init__(self, learned: LearnedVerifyCost | ScaledCurve, batch: int):
+    def __init__(self, learned: ScaledCurve, batch: int):
         self.learned, self.batch = learned, batch
 
     @property
@@ -387,7 +391,7 @@ class RowShare:
         return self.learned.version
 
     def __call__(self, n: int) -> float:
-        return self.learned(n) / self.batch
+        return self.learned.fit(n) / self.batch
 
     def observe(self, n: int, seconds: float) -> None:
         """A timed row share (seconds of the whole pass / batch) teaches the batch size's curve."""

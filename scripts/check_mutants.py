@@ -296,6 +296,12 @@ MUTANTS: list[Mutant] = [
            "        rng.shuffle(order)\n",
            "",
            ("tests/test_decoder.py", "-k", "always_follows")),
+    # a row's share of the batch pass carries the load factor its drafting seconds do not: a fast target
+    # makes every draft look dearer than its pass
+    Mutant("row_share_priced_at_the_load", "eval/policy.py",
+           "        return self.learned.fit(n) / self.batch",
+           "        return self.learned(n) / self.batch",
+           ("tests/test_batch.py", "-k", "surface_level_whatever_the_load or drafts_on_a_flat_surface")),
     # the load-aware policy's extra rounds are skipped: two rounds cannot resolve its 2% bound
     Mutant("load_aware_rounds_not_extended", "eval/batch.py",
            "    for rep in range(max(repeats, load_aware_repeats)):",

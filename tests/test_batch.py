@@ -226,6 +226,20 @@ def test_load_aware_gate_drafts_when_it_pays_and_not_when_it_costs():
     assert steep.curve(10)(1) == pytest.approx((steep.curve(4)(1) + steep.curve(16)(1)) / 2)
 
 
+@pytest.mark.parametrize("load", [0.02, 1.0, 50.0])
+def test_rows_price_their_drafts_at_the_surface_level_whatever_the_load(load):
+    """A flat surface pays for every draft at any load factor: the rows' drafting seconds were timed beside the
+    surface, so the factor the run's passes teach scales both. The rows' share priced with the factor on the pass
+    only made drafts 50 times dearer than their pass at 0.02 (a tiny target, or a quieter machine than the
+    measurement's) and every row stopped drafting (mutant row_share_priced_at_the_load)."""
+    flat = LoadAware(_surface(0.0))
+    for _ in range(5):
+        flat.observe(4, 1, 0.05 * load)
+    assert flat.curve(4).scale == pytest.approx(load)
+    rows = [(object(), _policy()) for _ in range(4)]
+    assert all(c["draft"] > 0 for c in flat.choose(rows, [8] * 4)) and flat.gated == 0
+
+
 def _load_aware_batch(tiny_target, rows: int, n: int, k: int, oracle: type, load: LoadAware):
     """A load-aware batch of `rows` prompts, n tokens each, drafted by a full `oracle` (Counting) behind
     DeferredSync; checked token-identical to plain decoding. Returns the BatchResult (Counting.calls reset)."""
