@@ -303,8 +303,8 @@ def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, method
     and the load-aware methods alone up to `load_aware_repeats` rounds in all; a load-aware method's gate is
     its one LoadAware of the sweep (`loads`). A method's speedup pairs each of its rounds with that round's
     plain run."""
-    runs: dict[str, list[tuple[BatchResult, int]]] = {"plain": [], **{m.name: [] for m in methods}}
-    pairs: dict[str, list[int]] = {m.name: [] for m in methods}  # a method's rounds, as indices into runs["plain"]
+    # name -> per round it ran: (its result, drafts its gate dropped, that round's plain result)
+    runs: dict[str, list[tuple[BatchResult, int, BatchResult]]] = {"plain": [], **{m.name: [] for m in methods}}
     for rep in range(max(repeats, load_aware_repeats)):
         order: list[Method | None] = [None, *(m for m in methods if rep < repeats or m.load_aware)]  # None = plain
         turn = order[rep % len(order):] + order[:rep % len(order)]
@@ -318,16 +318,15 @@ def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, method
                                              make_policy=m.make_policy, load=load), load,
                             load.gated if load is not None else 0))
         results = interleave_batches([run for _, run, _, _ in started])
+        plain_res = next(res for (name, *_), res in zip(started, results) if name == "plain")
         for (name, _, load, gated), res in zip(started, results):
-            runs[name].append((res, load.gated - gated if load is not None else 0))
-            if name != "plain":
-                pairs[name].append(rep)
-    plain_all = [r for r, _ in runs["plain"]]
+            runs[name].append((res, load.gated - gated if load is not None else 0, plain_res))
+    plain_all = [r for r, _, _ in runs["plain"]]
     row: dict[str, Any] = {"batch_size": len(batch), "plain_tok_s": median(r.tokens_per_s for r in plain_all),
                            "plain_latency_s": median(r.latency_s for r in plain_all), "methods": {}}
     for m in methods:
-        res = [r for r, _ in runs[m.name]]
-        plain = [plain_all[i] for i in pairs[m.name]]
+        res = [r for r, _, _ in runs[m.name]]
+        plain = [p for _, _, p in runs[m.name]]
         first = res[0]
         row["methods"][m.name] = {
             "tok_s": median(r.tokens_per_s for r in res),

@@ -277,7 +277,7 @@ def _flags(p: argparse.ArgumentParser) -> None:
                    help="rounds per batch size in the sweep, order rotated (speedup: median of per-round ratios)")
     p.add_argument("--sweep-load-aware-repeats", type=number_arg("--sweep-load-aware-repeats"), default=8,
                    help="rounds in all for the load-aware policy, the extra ones beside plain only (its bound "
-                   "is 2%% of plain; one round of plain against plain varies by 2-3%%)")
+                   "is 2%% of plain; one round of plain against plain varied by 1.5-3%% (sd) on a 2-core VM)")
     p.add_argument("--threads", type=number_arg("--threads", minimum=0),
                    help="torch CPU threads (default without a GPU: 1, see the module doc; "
                    "0 = torch's own choice)")
