@@ -356,9 +356,10 @@ class ScaledCurve:
     with the cost. A common factor keeps the measured ratios T(B, n) / T(B, 1) and follows the level.
     """
 
-    def __init__(self, probe: VerifyCost, decay: float = 0.9):
+    def __init__(self, probe: VerifyCost, decay: float = 0.9, load: float | None = None):
+        """load: a starting load factor worth one observed pass (LoadAware: the nearest timed batch size's)."""
         self.fit, self.decay = isotonic(probe), decay
-        self.ratio, self.count = 0.0, 0.0
+        self.ratio, self.count = (0.0, 0.0) if load is None else (load, 1.0)
         self.version = 0
 
     @property
@@ -424,7 +425,8 @@ class LoadAware:
     batch pass, then a gate on the batch's throughput.
 
     surface: batch size -> T(B, n) (eval.costs.measure_cost_surface), each scaled by the load the run's own
-    timed passes at that size show (ScaledCurve; an unmeasured size starts from the measured neighbours).
+    timed passes at that size show (ScaledCurve; an unmeasured size's shape is interpolated between the measured
+    neighbours, an untimed size's factor starts at the nearest timed size's).
     Per pass, with B rows: row r's policy chooses its lengths against n -> T(B, n) / B (RowShare), which gives
     its expected tokens E_r, drafting seconds D_r and nodes n_r (AdaptivePolicy.expected). The pass is as wide
     as its widest row, so the gate keeps the drafts of the rows with n_r <= w for the w (0 or one of the n_r)
@@ -465,7 +467,7 @@ class LoadAware:
         self._time: dict[int, tuple[float, float]] = {}  # batch -> decayed (priced, observed) drafting seconds
         self._tokens = (0.0, 0.0)  # decayed (emitted, expected) tokens of every drafting pass
         self._planned: tuple[int, float, float] | None = None  # the last drafting pass: (batch, expected
-        # tokens, priced seconds)
+        # tokens, priced seconds at the surface's level: observe_cycle applies the load factor)
         self._backoff: dict[int, tuple[int, int]] = {}  # batch -> (passes left unpriced, plain pricings in a row)
 
     def realised(self, batch: int) -> float:
@@ -491,20 +493,34 @@ class LoadAware:
 
     def observe_cycle(self, batch: int, tokens: int, seconds: float) -> None:
         """One whole pass (drafting, the verify forward, every row's commit) of `batch` rows that emitted
-        `tokens`; only a pass the gate let draft teaches `realised`."""
+        `tokens`; only a pass the gate let draft teaches `realised`.
+
+        Its price is the plan's surface-level seconds at the size's load factor as it stands now, this pass's
+        own verify forward included (eval.batch observes that first), not as it stood when the gate priced it:
+        the time ratio is for what the gate cannot price, and every later score applies the load factor again.
+        Priced at the factor of the moment, a size's first drafting pass, priced before any pass at that size
+        was timed (factor 1.0 against a machine at 1.45), left batch 2 a time ratio of 0.57 that its learned
+        factor then counted a second time: batch 2 never drafted again, and batch 4 inherited it, where the
+        fixed hybrid ran 1.41x and 1.04x (docs/batching.md)."""
         planned, self._planned = self._planned, None
         if planned is None or planned[0] != batch or seconds <= 0:
             return
-        _, expected, priced = planned
+        _, expected, surface_seconds = planned
+        priced = surface_seconds * self.curve(batch).scale
         emitted, total = self._tokens
         self._tokens = (self.token_decay * emitted + tokens, self.token_decay * total + expected)
         p, o = self._time.get(batch, (0.0, 0.0))
         self._time[batch] = (self.decay * p + priced, self.decay * o + seconds)
 
     def curve(self, batch: int) -> ScaledCurve:
-        """T(batch, n): the measured (or interpolated) shape at the load the run's passes show."""
+        """T(batch, n): the measured (or interpolated) shape at the load the run's passes show. A size not yet
+        timed starts at the nearest timed size's load factor (the machine's load slows every size; the smaller
+        one on a tie), worth one pass, so that its first pricing is not at the calibration's level."""
         if batch not in self.curves:
-            self.curves[batch] = ScaledCurve(self.surface.get(batch) or _between(self.surface, batch))
+            timed = [b for b, c in self.curves.items() if c.count > 0]
+            near = min(timed, key=lambda b: (abs(b - batch), b)) if timed else None
+            self.curves[batch] = ScaledCurve(self.surface.get(batch) or _between(self.surface, batch),
+                                             load=self.curves[near].scale if near is not None else None)
         return self.curves[batch]
 
     def observe(self, batch: int, n: int, seconds: float) -> None:
@@ -565,7 +581,7 @@ class LoadAware:
             seconds = curve.scale * sum(p[1] for p in kept) + curve(1 + w)
             score = e / seconds
             if realised * score > best * (1 + 1e-9):
-                best_w, best, planned = w, realised * score, (e, seconds)
+                best_w, best, planned = w, realised * score, (e, seconds / curve.scale)
         for i, (_, _, n) in enumerate(plans):
             if n > best_w:
                 choices[i] = dict.fromkeys(choices[i], 0)

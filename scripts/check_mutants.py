@@ -302,6 +302,17 @@ MUTANTS: list[Mutant] = [
            "        return self.learned.fit(n) / self.batch",
            "        return self.learned(n) / self.batch",
            ("tests/test_batch.py", "-k", "surface_level_whatever_the_load or drafts_on_a_flat_surface")),
+    # a drafting pass timed against its price at the load factor it was priced at (1.0 before its size was
+    # timed), which the learned factor then counts again: the size stops drafting for good
+    Mutant("drafting_pass_timed_at_the_load_it_was_priced_at", "eval/policy.py",
+           "        priced = surface_seconds * self.curve(batch).scale",
+           "        priced = surface_seconds",
+           ("tests/test_batch.py", "-k", "timed_against_its_price")),
+    # a batch size not yet timed priced at the calibration's level, whatever load the other sizes show
+    Mutant("untimed_size_priced_at_the_calibration_level", "eval/policy.py",
+           "load=self.curves[near].scale if near is not None else None)",
+           "load=None)",
+           ("tests/test_batch.py", "-k", "nearest_timed_sizes_load")),
     # the load-aware policy's extra rounds are skipped: two rounds cannot resolve its 2% bound
     Mutant("load_aware_rounds_not_extended", "eval/batch.py",
            "    for rep in range(max(repeats, load_aware_repeats)):",

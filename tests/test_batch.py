@@ -343,6 +343,36 @@ def test_load_aware_pools_tokens_over_sizes_and_times_each_size():
     assert load.realised(1) == load.realised(2) == load.realised(16) == pytest.approx(0.5)
 
 
+def test_a_drafting_pass_is_timed_against_its_price_at_the_load_its_own_pass_shows():
+    """A size's first drafting pass is priced before any pass at that size was timed; its verify forward then
+    shows the machine at 1.45 times the surface, and the whole pass takes what the plan costs at that load. Its
+    time ratio must be 1 (nothing the gate could not price), or the learned factor and the ratio count the load
+    twice and the size never drafts again: batch 2 of a GSM8K sweep, time ratio 0.57 (docs/batching.md).
+    Mutant drafting_pass_timed_at_the_load_it_was_priced_at."""
+    load = LoadAware(_surface(0.0))
+    two = [(object(), _policy()) for _ in range(2)]
+    assert all(c["draft"] > 0 for c in load.choose(two, [8] * 2)) and load.curve(2).scale == 1.0
+    _, expected, priced = load._planned
+    load.observe(2, 4, 1.45 * load.curve(2).fit(4))  # eval.batch times the verify forward first
+    load.observe_cycle(2, expected, 1.45 * priced)
+    assert load.time_ratio(2) == pytest.approx(1.0) and load.realised(2) == pytest.approx(1.0)
+    assert all(c["draft"] > 0 for c in load.choose([(object(), _policy()) for _ in range(2)], [8] * 2))
+
+
+def test_an_untimed_size_starts_at_the_nearest_timed_sizes_load():
+    """The machine's load slows every batch size: batch 2's first pricing, before any of its passes is timed,
+    is at batch 1's factor (not the calibration's), and its own passes then take over. Mutant
+    untimed_size_priced_at_the_calibration_level."""
+    load = LoadAware(_surface(0.3))
+    for _ in range(3):
+        load.observe(1, 1, 1.45 * load.curve(1).fit(1))
+    assert load.curve(2).scale == pytest.approx(1.45)
+    assert load.curve(16).scale == pytest.approx(1.45)
+    load.observe(2, 1, load.curve(2).fit(1))  # its own pass at the surface's level: weight 1 against the seed's 0.9
+    assert load.curve(2).scale == pytest.approx((0.9 * 1.45 + 1.0) / 1.9)
+    assert LoadAware(_surface(0.3)).curve(4).scale == 1.0  # nothing timed: the surface's own level
+
+
 def test_load_aware_new_size_is_not_shut_by_a_smaller_ones_last_unlucky_passes():
     """Batch 1 drafts six passes: four emit 1.2 times the tokens expected, the last two 0.2 times. Batch 2 has
     never drafted and its surface promises 1.42 times plain's rate. The tokens, pooled and decayed slowly, say
