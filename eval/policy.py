@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from eval.costs import DraftCost, VerifyCost, speedup
@@ -415,6 +415,11 @@ def _between(surface: Mapping[int, VerifyCost], batch: int) -> VerifyCost:
     return VerifyCost(seconds, surface[lo].context_len)
 
 
+def _nearest(sizes: Iterable[int], batch: int) -> int:
+    """The batch size among `sizes` nearest to `batch`, the smaller one on a tie."""
+    return min(sizes, key=lambda b: (abs(b - batch), b))
+
+
 # Passes at most left plain without pricing after pricings that ended plain (LoadAware's back-off): bounds the
 # drafting chances it can miss (an n-gram match that appears meanwhile) to 7 passes.
 MAX_BACKOFF = 7
@@ -484,7 +489,7 @@ class LoadAware:
         near = [b for b in seen if batch / 1.5 <= b <= batch * 1.5]
         below = [b for b in seen if b < batch]
         if near:
-            priced, observed = self._time[min(near, key=lambda b: (abs(b - batch), b))]
+            priced, observed = self._time[_nearest(near, batch)]
         elif below:
             priced, observed = self._time[max(below)]
         else:
@@ -518,7 +523,7 @@ class LoadAware:
         one on a tie), worth one pass, so that its first pricing is not at the calibration's level."""
         if batch not in self.curves:
             timed = [b for b, c in self.curves.items() if c.count > 0]
-            near = min(timed, key=lambda b: (abs(b - batch), b)) if timed else None
+            near = _nearest(timed, batch) if timed else None
             self.curves[batch] = ScaledCurve(self.surface.get(batch) or _between(self.surface, batch),
                                              load=self.curves[near].scale if near is not None else None)
         return self.curves[batch]
@@ -578,10 +583,11 @@ class LoadAware:
         for w in sorted({n for _, _, n in plans if n}):
             kept = [p for p in plans if p[2] <= w]
             e = sum(p[0] for p in kept) + (b - len(kept))
-            seconds = curve.scale * sum(p[1] for p in kept) + curve(1 + w)
-            score = e / seconds
+            # drafting and the pass at the surface's level, both slowed by the load factor (the class doc)
+            at_surface = sum(p[1] for p in kept) + curve.fit(1 + w)
+            score = e / (curve.scale * at_surface)
             if realised * score > best * (1 + 1e-9):
-                best_w, best, planned = w, realised * score, (e, seconds / curve.scale)
+                best_w, best, planned = w, realised * score, (e, at_surface)
         for i, (_, _, n) in enumerate(plans):
             if n > best_w:
                 choices[i] = dict.fromkeys(choices[i], 0)

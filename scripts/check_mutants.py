@@ -233,8 +233,8 @@ MUTANTS: list[Mutant] = [
            ("tests/test_batch.py", "-k", "deliver_less or slower_than_priced or full_pricing")),
     # the gate prices the target at the run's load and the drafters at calibration's: dear drafts pass under load
     Mutant("load_aware_drafting_unscaled_by_load", "eval/policy.py",
-           "            seconds = curve.scale * sum(p[1] for p in kept) + curve(1 + w)",
-           "            seconds = sum(p[1] for p in kept) + curve(1 + w)",
+           "            score = e / (curve.scale * at_surface)",
+           "            score = e / (at_surface - curve.fit(1 + w) + curve(1 + w))",
            ("tests/test_batch.py", "-k", "at_the_load")),
     # the gate's token ratio decays as fast as its seconds: a smaller size's last unlucky passes shut a new size
     Mutant("tokens_decayed_per_pass_like_time", "eval/policy.py",
