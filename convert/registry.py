@@ -3,6 +3,7 @@
     served_by_vllm("eagle3")   # (VllmServing(format="speculators", method="eagle3"), "")
     served_by_vllm("medusa")   # (None, "exported in the Medusa repository's layout; ...")
     layouts_of("eagle3")       # ("speculators", "sglang"): the first is the main one
+    layouts_of("dflash", cfg)  # those a head with this head_config exports to (DFlash's or DSpark's)
 
 The declarations are found, not listed: every module of the `convert` package that defines a module-level
 `EXPORTS` (a FamilyExports) is one, so a family with an engine layout adds only its convert/<family>.py.
@@ -65,7 +66,9 @@ def serving_note(family: str, repo_id: str, target_hub: str, k: int = 5) -> str:
     return exports.serving(repo_id, target_hub, k)
 
 
-def layouts_of(family: str) -> tuple[str, ...]:
-    """The engine layouts `family` exports to, its main one first; () for a native-only family."""
+def layouts_of(family: str, head_config: dict | None = None) -> tuple[str, ...]:
+    """The engine layouts `family` exports to, its main one first; () for a native-only family. With
+    `head_config` (a native config.json's `head_config`), only the layouts that head can be exported to."""
     exports = FAMILY_EXPORTS.get(family)
-    return tuple(layout.format for layout in exports.layouts) if exports else ()
+    return tuple(layout.format for layout in exports.layouts
+                 if head_config is None or layout.applies(head_config)) if exports else ()

@@ -340,8 +340,18 @@ MUTANTS: list[Mutant] = [
            "    t = ctx[0].shape[2]\n",
            ("tests/test_dflash.py", "-k", "direct_computation or drafting_blocks")),
     Mutant("dflash_labels_shifted_by_one", "heads/dflash/losses.py",
-           "return slots, slots - 1", "return slots, slots",
+           "return slots, slots - first", "return slots, slots - first + 1",
            ("tests/test_dflash.py", "-k", "direct_computation")),
+    # --- DSpark's layout and Markov head (heads/dflash, sample_from_anchor / markov_rank)
+    Mutant("dflash_anchor_slot_never_drafts", "heads/dflash/losses.py",
+           "mask_tok[..., :first] = 0", "mask_tok[..., :1] = 0",
+           ("tests/test_dflash.py", "-k", "direct_computation")),
+    Mutant("dflash_markov_bias_reads_the_predicted_token", "heads/dflash/losses.py",
+           "prev = ids.gather(1, labels.clamp(0, t - 1)", "prev = ids.gather(1, (labels + 1).clamp(0, t - 1)",
+           ("tests/test_dflash.py", "-k", "direct_computation or drafting_blocks"), quick=True),
+    Mutant("dflash_markov_chain_fed_a_stale_token", "heads/dflash/drafting.py",
+           "            prev = tree.tokens\n", "",
+           ("tests/test_dflash.py", "-k", "markov_chain")),
 ]
 
 

@@ -191,7 +191,8 @@ def stage(head: Path, meta: dict, out: Path, target_name: str, js: Path | None, 
     """Write the folder to upload: root engine layout, sglang/, draftheads/, eval/."""
     family = meta["family"]
     _, _, target = load_target(TargetConfig(name_or_path=target_name, device="cpu"))
-    layouts = layouts_of(family)  # the family's main engine layout first (convert/<family>.py)
+    # the family's main engine layout first (convert/<family>.py), of those this head exports to
+    layouts = layouts_of(family, meta.get("head_config"))
     if not layouts:
         export_head(head, "native", out, target, force=True)
     else:

@@ -4,9 +4,13 @@ overfitting, training blocks equal to drafting blocks, greedy decoding identical
 adaptive, hybrid with n-gram), and the export to vLLM's speculators DFlash layout (spec-checked, round trip to
 identical tensors and decoding, the reference forward on the exported tensors matching our drafter).
 
-Planted bugs each fail here (checked once by hand, see the issue report): a causal mask inside the block
+DSpark's options (`sample_from_anchor`, `markov_rank`; VARIANTS) go through the same tests, plus the Markov
+chain's reported q against each slot's law given the tokens drawn before it, the DSpark export and layout choice.
+
+Planted bugs each fail here (scripts/check_mutants.py, `dflash_*`): a causal mask inside the block
 (`block_attention`'s own-block scores), a block seeing the context at its own anchor (`<` -> `<=` in
-`context_mask`), labels shifted by one (`block_alignment` returning `slots` as label positions).
+`context_mask`), labels shifted by one, the anchor's slot never drafting under sample_from_anchor, the Markov
+bias reading the predicted token instead of the one before it, the drafter's chain biased by a stale token.
 
     .venv/bin/python -m pytest -q tests/test_dflash.py
 """
@@ -67,9 +71,10 @@ def _rope(x, pos, theta):
 
 
 def reference_block_logits(sd: dict, layer: dict, aux: torch.Tensor, embed: torch.Tensor, anchor: int,
-                           mask_id: int, block: int) -> torch.Tensor:
+                           mask_id: int, block: int, prev: list[int] | None = None) -> torch.Tensor:
     """The engines' DFlash forward written out from the equations (no project code): logits [block, DV] of
-    the block [anchor, mask x (block-1)] at positions n..n+block-1 over the context aux [n, k*H]."""
+    the block [anchor, mask x (block-1)] at positions n..n+block-1 over the context aux [n, k*H]; with prev
+    (a token id per slot), plus DSpark's Markov bias markov_w2 @ markov_w1[prev] of each slot."""
     eps, nh, nkv = layer["rms_norm_eps"], layer["num_attention_heads"], layer["num_key_value_heads"]
     d, theta = layer["head_dim"], layer["rope_theta"]
     n = aux.shape[0]
@@ -92,7 +97,16 @@ def reference_block_logits(sd: dict, layer: dict, aux: torch.Tensor, embed: torc
         h = h + torch.einsum("hqk,khd->qhd", att, v).reshape(block, nh * d) @ w["self_attn.o_proj.weight"].T
         x2 = _rms(h, w["post_attention_layernorm.weight"], eps)
         h = h + (F.silu(x2 @ w["mlp.gate_proj.weight"].T) * (x2 @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
-    return _rms(h, sd["norm.weight"], eps) @ sd["lm_head.weight"].T
+    out = _rms(h, sd["norm.weight"], eps) @ sd["lm_head.weight"].T
+    if prev is not None:
+        out = out + sd["markov_head.markov_w1.weight"][torch.tensor(prev)] @ sd["markov_head.markov_w2.weight"].T
+    return out
+
+
+# The layouts under test: DFlash's fill-in block; DSpark's (the anchor's slot drafts too); and with its
+# Markov head.
+VARIANTS = {"dflash": {}, "from_anchor": {"sample_from_anchor": True},
+            "dspark": {"sample_from_anchor": True, "markov_rank": 8}}
 
 
 def _layer(io, head) -> dict:
@@ -107,8 +121,12 @@ def _layer(io, head) -> dict:
 # ----------------------------------------------------------------------------------------------- alignment
 def test_worked_examples():
     assert [round(w, 4) for w in dflash.loss_weights(dflash.DFlashConfig(block_size=4))] == [0.0, 1.0, 0.7788, 0.6065]
+    assert [round(w, 4) for w in dflash.loss_weights(dflash.DFlashConfig(block_size=4, sample_from_anchor=True))] \
+        == [1.0, 0.7788, 0.6065, 0.4724]
     slots, labels = dflash.block_alignment(torch.tensor([[5]]), 4)
     assert slots.tolist() == [[[5, 6, 7, 8]]] and labels[..., 1:].tolist() == [[[5, 6, 7]]]
+    slots, labels = dflash.block_alignment(torch.tensor([[5]]), 4, first=0)
+    assert slots.tolist() == [[[5, 6, 7, 8]]] and labels.tolist() == [[[5, 6, 7, 8]]]
     anchors, valid = dflash.sample_anchors(torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]]), 3,
                                            torch.Generator().manual_seed(0))
     assert anchors.tolist() == [[1, 2, 1], [1, 2, 3]] and valid.tolist() == [[True, True, False], [True] * 3]
@@ -137,27 +155,34 @@ def test_block_attention_equals_sdpa_over_the_dense_block_mask():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_shapes_and_drafts(tiny_target):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_shapes_and_drafts(tiny_target, variant):
     model, _, io = tiny_target
-    _, head = _head(io)
+    _, head = _head(io, **VARIANTS[variant])
+    n = 4 - head.first_slot  # drafted tokens per block
     batch = _batch(model, torch.randint(0, io.vocab_size, (2, 12)))
     logits = dflash.block_logits(head, batch, io, torch.tensor([[1, 4, 7], [2, 3, 9]]))
     assert logits.shape == (2, 3, 4, head.d2t.numel())
     loss, metrics = dflash.loss(head, batch, io)
-    assert loss.ndim == 0 and torch.isfinite(loss) and set(metrics) == {"top1/0", "top1/1", "top1/2", "n/0", "n/1", "n/2"}
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert set(metrics) == {f"{m}/{j}" for m in ("top1", "n") for j in range(n)}
     d = dflash.drafter(head, io)
     prompt = batch["input_ids"][:1, :8]
     d.begin(prompt, forward_features(model, prompt, None, LAYERS)[0], 5)
-    assert len(d.draft(2, 0.0)) == 2 and len(d.draft(9, 0.0)) == 3  # at most block_size - 1
-    tree = d.draft(3, 1.0)
-    assert tree.probs.shape == (3, io.vocab_size) and bool(head.t2d[tree.tokens].all())
+    assert len(d.draft(2, 0.0)) == 2 and len(d.draft(9, 0.0)) == n  # at most the drafting slots
+    tree = d.draft(n, 1.0)
+    assert tree.probs.shape == (n, io.vocab_size) and bool(head.t2d[tree.tokens].all())
 
 
-def test_loss_matches_a_direct_computation(tiny_target):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_loss_matches_a_direct_computation(tiny_target, variant):
     """block_loss against the blocks computed one anchor at a time by the reference forward, with soft labels
-    from the target's own logits (model(ids)), not from the stored `last` features."""
+    from the target's own logits (model(ids)), not from the stored `last` features: slot k (k >= f, the first
+    drafting slot) predicts x_{a+k+1-f} from the target's distribution at a+k-f, biased (Markov head) by the
+    sequence's token there, weight exp(-(k-f)/gamma)."""
     model, _, io = tiny_target
-    cfg, head = _head(io)
+    cfg, head = _head(io, **VARIANTS[variant])
+    f = head.first_slot
     ids = torch.randint(0, io.vocab_size, (2, 12))
     lmask = torch.ones_like(ids)
     lmask[:, :3] = 0
@@ -172,33 +197,65 @@ def test_loss_matches_a_direct_computation(tiny_target):
     num, den = 0.0, 0.0
     for b in range(2):
         for a, ok in zip(anchors[b].tolist(), valid[b].tolist()):
+            prev = [int(ids[b, min(a + k - f, 11)]) for k in range(4)] if head.markov_head is not None else None
             ref = reference_block_logits(sd, _layer(io, head), batch["aux"][b, :a], io.embed.weight.detach(),
-                                         int(ids[b, a]), head.mask_token_id, 4)
-            for k in range(1, 4):
-                if not ok or a + k >= 12 or not lmask[b, a + k] or not head.t2d[tl[b, a + k - 1].argmax()]:
+                                         int(ids[b, a]), head.mask_token_id, 4, prev)
+            for k in range(f, 4):
+                at = a + k + 1 - f  # the predicted position
+                if not ok or at >= 12 or not lmask[b, at] or not head.t2d[tl[b, at - 1].argmax()]:
                     continue
-                p = tl[b, a + k - 1, draft_ids].softmax(-1)
-                num += math.exp(-(k - 1) / cfg.decay_gamma) * float(-(p * ref[k].log_softmax(-1)).sum())
+                p = tl[b, at - 1, draft_ids].softmax(-1)
+                num += math.exp(-(k - f) / cfg.decay_gamma) * float(-(p * ref[k].log_softmax(-1)).sum())
                 den += 1
     assert den >= 8
     assert abs(float(got.detach()) - num / den) < 1e-4 * max(1.0, num / den)
 
 
-def test_training_blocks_equal_drafting_blocks(tiny_target):
-    """A block trained at anchor a is exactly what the drafter proposes after the prefix x_{<a}."""
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_training_blocks_equal_drafting_blocks(tiny_target, variant):
+    """A block trained at anchor a is exactly what the drafter proposes after the prefix x_{<a} (with a Markov
+    head: given the sequence's own tokens as the chain drafted before each slot); and the drafter's greedy
+    chain, drawn left to right, is the argmax of those logits wherever it follows the sequence."""
     model, _, io = tiny_target
-    _, head = _head(io)
+    _, head = _head(io, **VARIANTS[variant])
+    f = head.first_slot
     ids = torch.randint(0, io.vocab_size, (1, 14))
     batch = _batch(model, ids)
-    anchors = torch.tensor([[3, 6, 10]])
+    anchors = torch.tensor([[3, 6, 9]])
     train = dflash.block_logits(head, batch, io, anchors)
     for j, a in enumerate(anchors[0].tolist()):
         d = dflash.drafter(head, io)
         d.begin(ids[:, :a], forward_features(model, ids[:, :a], None, LAYERS)[0], int(ids[0, a]))
-        torch.testing.assert_close(d.block_logits(), train[0, j, 1:], rtol=1e-4, atol=1e-5)
+        prev = ids[0, a : a + 4 - f] if head.markov_head is not None else None
+        torch.testing.assert_close(d.block_logits(prev), train[0, j, f:], rtol=1e-4, atol=1e-5)
+        chain = d.draft(4, 0.0).tokens  # each slot fed the token drawn before it (the anchor for the first)
+        fed = torch.cat([ids[0, a : a + 1], chain[:-1]]) if head.markov_head is not None else None
+        assert head.to_target_ids(d.block_logits(fed).argmax(-1)).tolist() == chain.tolist()
+        assert int(chain[0]) == int(head.to_target_ids(train[0, j, f].argmax()))
 
 
-def test_one_batch_overfit(tiny_target):
+def test_a_markov_chain_reports_each_slots_law_given_the_tokens_drawn_before_it(tiny_target):
+    """With a Markov head the drafter draws left to right: slot i's q (what the verifier's min(1, p/q) needs) is
+    softmax((base_i + bias(token drawn at i-1)) / T), the anchor before the first. Reporting the base q, or
+    biasing by a stale token, breaks exactness; here it fails a direct comparison."""
+    model, _, io = tiny_target
+    _, head = _head(io, **VARIANTS["dspark"])
+    ids = torch.randint(0, io.vocab_size, (1, 9))
+    d = dflash.drafter(head, io)
+    d.begin(ids[:, :8], forward_features(model, ids[:, :8], None, LAYERS)[0], int(ids[0, 8]))
+    firsts = set()
+    for seed in range(6):
+        d.generator = torch.Generator().manual_seed(seed)
+        tree = d.draft(4, 0.8)
+        fed = torch.cat([ids[0, 8:9], tree.tokens[:-1]])
+        want = head.to_target_probs(torch.softmax(d.block_logits(fed) / 0.8, -1), io.vocab_size)
+        torch.testing.assert_close(tree.probs, want)
+        firsts.add(int(tree.tokens[0]))
+    assert len(firsts) > 1  # the draws differ, so later slots were biased by different tokens
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dspark"])
+def test_one_batch_overfit(tiny_target, variant):
     """Fixed anchors (every eligible position), Adam: the loss falls toward its floor and the draft's argmax
     learns the target's at every slot. The random target's LM head is sharpened (x 30, same argmax) so that
     its soft labels are far from uniform and the cross-entropy has room to fall."""
@@ -210,7 +267,7 @@ def test_one_batch_overfit(tiny_target):
     with torch.no_grad():
         lm.weight.mul_(30.0)
     io = dataclasses.replace(io, lm_head=lm)
-    cfg, head = _head(io, lively=False, draft_vocab_size=io.vocab_size)
+    cfg, head = _head(io, lively=False, draft_vocab_size=io.vocab_size, **VARIANTS[variant])
     batch = _batch(model, torch.randint(0, io.vocab_size, (2, 16)))
     anchors, valid = torch.arange(1, 15).expand(2, 14), torch.ones(2, 14, dtype=torch.bool)
     weights = dflash.loss_weights(cfg)
@@ -223,12 +280,13 @@ def test_one_batch_overfit(tiny_target):
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.3 * losses[0], losses[::10]
-    assert min(metrics[f"top1/{k}"] for k in range(3)) > 0.75, metrics  # chance: 1/259
+    assert min(metrics[f"top1/{k}"] for k in range(4 - head.first_slot)) > 0.75, metrics  # chance: 1/259
     assert head.lm_head.weight.grad is None  # the shared LM head stays frozen
 
 
-@pytest.mark.parametrize("mode", ["alone", "adaptive", "hybrid"])
-def test_greedy_speculative_output_equals_plain_decoding(tiny_target, mode):
+@pytest.mark.parametrize("mode,variant", [("alone", "dflash"), ("adaptive", "dflash"), ("hybrid", "dflash"),
+                                          ("alone", "dspark"), ("hybrid", "dspark")])
+def test_greedy_speculative_output_equals_plain_decoding(tiny_target, mode, variant):
     from drafters_common import hf_greedy
 
     from eval.costs import DraftCost, VerifyCost
@@ -237,7 +295,7 @@ def test_greedy_speculative_output_equals_plain_decoding(tiny_target, mode):
     from eval.policy import AdaptivePolicy
 
     model, _, io = tiny_target
-    _, head = _head(io, seed=1)
+    _, head = _head(io, seed=1, **VARIANTS[variant])
     prompt = torch.randint(0, io.vocab_size, (1, 10))
     ref, eos = hf_greedy(model, prompt, 24)
     d = dflash.drafter(head, io)
@@ -279,16 +337,39 @@ def test_head_folder_round_trip(tiny_target, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- export
-@pytest.fixture(scope="module")
-def exported(tiny_target, tmp_path_factory):
-    """(native head, its folder, the speculators DFlash export folder)."""
+# Each engine layout and the head it is for: DFlash's, and DSpark's (sample_from_anchor with a Markov head).
+LAYOUTS = {"speculators_dflash": "dflash", "speculators_dspark": "dspark"}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def exported(request, tiny_target, tmp_path_factory):
+    """(native head, its folder, the export folder in the layout `request.param`)."""
     from convert import export_head
 
     _, _, io = tiny_target
-    cfg, head = _head(io, seed=3)
-    root = tmp_path_factory.mktemp("dflash")
+    cfg, head = _head(io, seed=3, **VARIANTS[LAYOUTS[request.param]])
+    root = tmp_path_factory.mktemp(request.param)
     native = save_head(root / "native", head, cfg, io)
-    return head.eval(), native, export_head(native, "speculators_dflash", root / "vllm", io)
+    return head.eval(), native, export_head(native, request.param, root / "vllm", io)
+
+
+def test_each_layout_refuses_the_other_kind_of_head(tiny_target, tmp_path):
+    """A head goes to the one layout that serves it (what publishing stages: `layouts_of` with its config);
+    the other refuses it in one line."""
+    import dataclasses
+
+    from convert import export_head, layouts_of
+    from convert.spec import ExportError
+
+    _, _, io = tiny_target
+    for variant, fmt, msg, own in (("dspark", "speculators_dflash", "speculators_dspark", ("speculators_dspark",)),
+                                   ("from_anchor", "speculators_dflash", "no engine layout", ()),
+                                   ("dflash", "speculators_dspark", "Markov head", ("speculators_dflash",))):
+        cfg, head = _head(io, **VARIANTS[variant])
+        assert layouts_of("dflash", dataclasses.asdict(cfg)) == own
+        native = save_head(tmp_path / variant, head, cfg, io)
+        with pytest.raises(ExportError, match=msg):
+            export_head(native, fmt, tmp_path / f"{variant}-{fmt}", io)
 
 
 def test_export_has_the_vllm_names_and_keys(tiny_target, exported):
@@ -299,16 +380,27 @@ def test_export_has_the_vllm_names_and_keys(tiny_target, exported):
     _, _, io = tiny_target
     head, _, out = exported
     config = json.loads((out / "config.json").read_text())
-    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == LAYERS
+    dspark = head.markov_head is not None
+    assert config["speculators_model_type"] == ("dspark" if dspark else "dflash")
+    assert config["aux_hidden_state_layer_ids"] == LAYERS
     assert config["block_size"] == 4 and config["mask_token_id"] == head.mask_token_id
-    assert config["sliding_window_non_causal"] is True  # vLLM: dflash_config.causal = not this, on every layer
-    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3  # block_size - 1
+    # every drafting slot: block_size - 1 after DFlash's anchor, block_size when the anchor drafts too
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == (4 if dspark else 3)
+    assert config["sample_from_anchor"] is dspark
+    if dspark:  # vLLM update_dspark: no causal override, Qwen3DSparkModel's Markov head of this rank
+        assert config["markov_rank"] == 8 and config["markov_head_type"] == "vanilla"
+        assert "sliding_window_non_causal" not in config
+    else:
+        assert config["sliding_window_non_causal"] is True  # vLLM: dflash_config.causal = not this, every layer
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["use_sliding_window"] is False
     weights = load_file(str(out / "model.safetensors"))
     assert sorted(weights) == sorted(head.state_dict())
     assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.k_norm.weight", "d2t", "t2d"} <= set(weights)
     assert weights["fc.weight"].shape == (64, 3 * 64)
+    if dspark:
+        assert weights["markov_head.markov_w1.weight"].shape == (io.vocab_size, 8)
+        assert weights["markov_head.markov_w2.weight"].shape == (head.d2t.numel(), 8)
 
 
 def test_spec_refuses_a_missing_d2t_and_a_wrong_fc(tiny_target, exported):
@@ -322,22 +414,27 @@ def test_spec_refuses_a_missing_d2t_and_a_wrong_fc(tiny_target, exported):
     _, _, out = exported
     config = json.loads((out / "config.json").read_text())
     weights = load_file(str(out / "model.safetensors"))
+    fmt = f"speculators_{config['speculators_model_type']}"
     with pytest.raises(ExportError, match="d2t"):
-        validate("speculators_dflash", config, {k: v for k, v in weights.items() if k != "d2t"}, io)
+        validate(fmt, config, {k: v for k, v in weights.items() if k != "d2t"}, io)
     with pytest.raises(ExportError, match="fc.weight"):
-        validate("speculators_dflash", {**config, "aux_hidden_state_layer_ids": [1, 2]}, weights, io)
+        validate(fmt, {**config, "aux_hidden_state_layer_ids": [1, 2]}, weights, io)
 
 
 def test_export_import_round_trip_is_identical(tiny_target, exported):
+    import json
+
     from drafters_common import hf_greedy
 
     from convert import import_folder
     from eval.decoder import speculative_generate
 
     model, _, io = tiny_target
-    head, _, out = exported
-    back, cfg, _ = import_folder(out, "speculators_dflash", io)
-    assert cfg.block_size == 4 and cfg.num_layers == 2 and cfg.layer_ids == LAYERS
+    head, native, out = exported
+    back, cfg, _ = import_folder(out, f"speculators_{json.loads((out / 'config.json').read_text())['speculators_model_type']}", io)
+    want = load_head(native, io)[1]
+    for key in ("block_size", "num_layers", "layer_ids", "intermediate_size", "sample_from_anchor", "markov_rank"):
+        assert getattr(cfg, key) == getattr(want, key), key
     for k, v in head.state_dict().items():
         assert torch.equal(v, back.state_dict()[k]), k
     prompt = torch.randint(0, io.vocab_size, (1, 9))
@@ -350,7 +447,8 @@ def test_export_import_round_trip_is_identical(tiny_target, exported):
 
 def test_reference_forward_on_the_exported_tensors_matches_the_drafter(tiny_target, exported):
     """The engines' equations (reference_block_logits) on the EXPORTED config and tensors give our drafter's
-    logits, mapped to target ids through the exported d2t."""
+    logits, mapped to target ids through the exported d2t; for DSpark, its speculator's greedy chain (slot by
+    slot, each biased by the Markov head of the target id drawn before it, the anchor first)."""
     import json
 
     from safetensors.torch import load_file
@@ -361,10 +459,19 @@ def test_reference_forward_on_the_exported_tensors_matches_the_drafter(tiny_targ
     sd = load_file(str(out / "model.safetensors"))
     ids = torch.randint(0, io.vocab_size, (1, 11))
     aux = forward_features(model, ids[:, :10], None, config["aux_hidden_state_layer_ids"])[0].aux
-    ref = reference_block_logits(sd, config["transformer_layer_config"], aux[0], io.embed.weight.detach(),
-                                 int(ids[0, 10]), config["mask_token_id"], config["block_size"])
-    d = dflash.drafter(head, io)
-    d.begin(ids[:, :10], forward_features(model, ids[:, :10], None, LAYERS)[0], int(ids[0, 10]))
-    torch.testing.assert_close(d.block_logits(), ref[1:], rtol=1e-4, atol=1e-4)
+    first = 0 if config["sample_from_anchor"] else 1
+    slots = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    dspark = config["speculators_model_type"] == "dspark"
+    anchor = int(ids[0, 10])
     draft_to_target = torch.arange(sd["d2t"].numel()) + sd["d2t"]
-    assert d.draft(3, 0.0).tokens.tolist() == draft_to_target[ref[1:].argmax(-1)].tolist()
+    rows, prev = [], [anchor]
+    for i in range(slots):  # vLLM's DSpark speculator draws left to right (DFlash's slots need no order)
+        rows.append(reference_block_logits(sd, config["transformer_layer_config"], aux[0], io.embed.weight.detach(),
+                                           anchor, config["mask_token_id"], config["block_size"],
+                                           [prev[-1]] * config["block_size"] if dspark else None)[first + i])
+        prev.append(int(draft_to_target[rows[-1].argmax()]))
+    d = dflash.drafter(head, io)
+    d.begin(ids[:, :10], forward_features(model, ids[:, :10], None, LAYERS)[0], anchor)
+    torch.testing.assert_close(d.block_logits(torch.tensor(prev[:-1]) if dspark else None), torch.stack(rows),
+                               rtol=1e-4, atol=1e-4)
+    assert d.draft(slots, 0.0).tokens.tolist() == prev[1:]

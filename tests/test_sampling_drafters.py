@@ -6,7 +6,8 @@ sequence law of the first L new tokens spreads over many outcomes (exactly enume
 Drafters (each made close to the target, so drafts are often accepted AND often rejected, which is what
 gives a test power): EAGLE-3 chain and dynamic tree, Medusa (static top-k tree), MTP, a separate draft model
 (a perturbed copy of the target), self-speculative (the target's first layers), n-gram (on a prompt with
-repeats), the DFlash block drafter (trained briefly on the toy target, then sharpened). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
+repeats), the DFlash block drafter (trained briefly on the toy target, then sharpened) and its DSpark variant
+(every slot drafts, a strong Markov bias: later slots' q depend on the token drawn before). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
 exact law by Pearson's chi-square (`drafters_common.chi_square`, cells with expected count < 5 pooled); the
 test fails when p < ALPHA = 0.01, so its false-alarm rate is <= 0.01.
 
@@ -34,6 +35,8 @@ lambda = stat - df, and the power P(noncentral chi-square(df, lambda) > critical
     ngram         1.3  26  32.2 |  97.8  1.000                 | 97.8  1.000
     dflash        0.7  23  28.1 | 132.3  1.000                 | n/a
     dflash        1.3  26  31.8 |  96.3  0.999                 | n/a
+    dspark        0.7  23  24.1 | 129.0  1.000                 | n/a
+    dspark        1.3  26  22.5 | 114.7  1.000                 | n/a
 
 (With only deterministic drafts the two biased rules coincide.) A drafter reporting a q that is not the law
 it sampled from (softmax(l) for a draw from softmax(l / T)) and verify rows built without top-p are planted by
@@ -65,7 +68,7 @@ ALPHA = 0.01
 # passes both accept and reject often, and a wrong rejection rule shows (see the power table).
 SHARP = 4.0
 PROMPT = [1, 5, 3, 9, 1, 5, 3, 9, 1]
-DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram", "dflash"]
+DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram", "dflash", "dspark"]
 TEMPERATURES = [0.7, 1.3]
 
 
@@ -119,6 +122,7 @@ def build_toy():
         draft_model.lm_head.weight.mul_(SHARP)
 
     dfl = _trained_dflash(model, io)
+    dsp = _trained_dflash(model, io, sample_from_anchor=True, markov_rank=4)
 
     def gen(seed: int) -> torch.Generator:
         return torch.Generator().manual_seed(seed)
@@ -132,18 +136,21 @@ def build_toy():
         "self_spec": lambda i: self_speculative_drafter(model, 2, generator=gen(10_000 + i)),
         "ngram": lambda i: NgramDrafter(),
         "dflash": lambda i: dflash.drafter(dfl, io, generator=gen(10_000 + i)),
+        "dspark": lambda i: dflash.drafter(dsp, io, generator=gen(10_000 + i)),
     }
     return model, io, makers
 
 
-def _trained_dflash(model, io):
+def _trained_dflash(model, io, **kw):
     """A DFlash head (layers 1-3 captured, one layer, blocks of 4, the target's lm_head) trained briefly on the
     toy target's own distributions: a block drafter can only approximate p(x_{n+i} | prefix) by learning it,
     and a q near p (not equal) is what makes passes both accept and reject with overlapping q and p; its
     logits are then sharpened by SHARP like the other drafters' (a rejected q-heavy token leaves a residual
-    far from p, which is what shows a wrong rejection rule)."""
+    far from p, which is what shows a wrong rejection rule). With DSpark's options (kw), its Markov bias is
+    then made strong (each later slot's q depends on the token drawn before it)."""
     torch.manual_seed(5)
-    head = dflash.build(dflash.DFlashConfig(layer_ids=[1, 2, 3], draft_vocab_size=V, block_size=4, anchors=8), io)
+    head = dflash.build(dflash.DFlashConfig(layer_ids=[1, 2, 3], draft_vocab_size=V, block_size=4, anchors=8, **kw),
+                        io)
     with torch.no_grad():
         head.lm_head.weight.copy_(model.lm_head.weight)
     ids = torch.randint(0, V, (16, 16))
@@ -158,6 +165,10 @@ def _trained_dflash(model, io):
         opt.step()
     with torch.no_grad():  # then sharper than the target, as the other drafters here (see SHARP)
         head.lm_head.weight.mul_(SHARP)
+        if head.markov_head is not None:  # bias sd ~0.5 a logit: q moves with the previous draw
+            g = torch.Generator().manual_seed(6)
+            for w in (head.markov_head.markov_w1.weight, head.markov_head.markov_w2.weight):
+                w.copy_(0.5 * torch.randn(w.shape, generator=g))
     return head.eval()
 
 
@@ -189,7 +200,7 @@ def test_speculative_sampling_is_exact_on_the_static_cache(toy, name):
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize("name", ["eagle_chain", "mtp", "draft_model", "self_spec", "dflash"])
+@pytest.mark.parametrize("name", ["eagle_chain", "mtp", "draft_model", "self_spec", "dflash", "dspark"])
 def test_drafted_tokens_follow_the_reported_q(toy, name, temperature):
     """A chain drafter's first token is drawn from exactly the q it hands the verifier (min(1, p/q) needs it).
 

@@ -16,21 +16,27 @@ Forward (vLLM `qwen3_dflash.py`, z-lab `DFlashDraftModel`, speculators `DFlashDr
         h = h + o_proj(softmax(rope(q_norm(q_proj(x))) K^T / sqrt(d)) V)          no mask inside the block
         h = h + mlp(post_attention_layernorm(h))
     logits_i = lm_head(norm(h_i)) over the draft vocab; slot i >= 1 drafts x_{n+i}; target id = id + d2t[id]
+DSpark's variant (vLLM `qwen3_dspark.py` and its DSpark speculator; two config options, same backbone):
+    sample_from_anchor   slot i >= 0 drafts x_{n+i+1} (the anchor's own slot drafts: B tokens a pass)
+    markov_rank R > 0    logits_i += markov_w2 @ markov_w1[t_i], t_i the target id before the drafted one
+                         (the anchor for the first drafting slot, then the token drawn before); the block's
+                         pass stays one, the draws go left to right, each q_i conditioned on the chain drawn
 Training (heads/dflash/losses.py): anchors a sampled per sequence; slot k of the block at a sees features
 < a and its own block, predicts x_{a+k} against the target's distribution at a+k-1 with weight
 exp(-(k-1)/gamma), loss_mask[a+k] and t2d[target argmax] as masks (speculators' recipe).
 
 The package, one job per module (this file re-exports their public names and declares the family,
 `FAMILIES`, for heads.registry; its loss reads the stored target argmax, as EAGLE-3's does):
-    config.py   DFlashConfig, feature_layers, resolved_mask_token, loss_weights
-    model.py    DFlashAttention, DFlashLayer, DFlashHead, block_attention, build, prepare (draft vocab, LM head rows)
+    config.py   DFlashConfig, feature_layers, resolved_mask_token, loss_weights, first_slot
+    model.py    DFlashAttention, DFlashLayer, MarkovHead, DFlashHead, block_attention, build, prepare (draft
+                vocab, LM head rows)
     losses.py   loss, block_loss, block_logits, block_alignment, context_mask, sample_anchors
     drafting.py DFlashDrafter, drafter, drafter_factory
 
 Run the unit tests with `.venv/bin/python -m pytest -q tests/test_dflash.py`.
 """
 
-from heads.dflash.config import DFlashConfig, feature_layers, loss_weights, resolved_mask_token
+from heads.dflash.config import DFlashConfig, feature_layers, first_slot, loss_weights, resolved_mask_token
 from heads.dflash.drafting import DFlashDrafter, drafter, drafter_factory
 from heads.dflash.losses import (
     block_alignment,
@@ -40,7 +46,15 @@ from heads.dflash.losses import (
     loss,
     sample_anchors,
 )
-from heads.dflash.model import DFlashAttention, DFlashHead, DFlashLayer, block_attention, build, prepare
+from heads.dflash.model import (
+    DFlashAttention,
+    DFlashHead,
+    DFlashLayer,
+    MarkovHead,
+    block_attention,
+    build,
+    prepare,
+)
 from heads.registry import TARGET_ARGMAX, Family
 
 FAMILIES = (Family(name="dflash", config=DFlashConfig, feature_layers=feature_layers, build=build, loss=loss,
@@ -50,5 +64,6 @@ FAMILIES = (Family(name="dflash", config=DFlashConfig, feature_layers=feature_la
 __all__ = [
     "FAMILIES", "DFlashAttention", "DFlashConfig", "DFlashDrafter", "DFlashHead", "DFlashLayer", "block_alignment",
     "block_attention", "block_logits", "block_loss", "build", "context_mask", "drafter", "drafter_factory",
-    "feature_layers", "loss", "loss_weights", "prepare", "resolved_mask_token", "sample_anchors",
+    "feature_layers", "first_slot", "loss", "loss_weights", "MarkovHead", "prepare", "resolved_mask_token",
+    "sample_anchors",
 ]

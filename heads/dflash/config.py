@@ -5,6 +5,7 @@
                                           default, so one offline store serves both families)
     resolved_mask_token(cfg, vocab)       the token id whose (frozen, shared) embedding fills the masked slots
     loss_weights(cfg)                     the per-block-position loss weights
+    first_slot(cfg)                       the first block slot that drafts (1; 0 with sample_from_anchor)
 
 Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py`.
 """
@@ -31,6 +32,14 @@ class DFlashConfig(HeadConfig):
     # answer has = every eligible position, which learned the first slot 0.23 -> 0.37 on the quickstart's store)
     decay_gamma: float = 4.0  # block slot k >= 1 weighted exp(-(k-1)/gamma) (speculators' default for B = 8)
     intermediate_size: int | None = None  # draft MLP width; null = the target's
+    # DSpark's layout (vLLM `qwen3_dspark.py`, `sample_from_anchor`): the anchor's slot drafts too, slot i
+    # predicting x_{a+i+1} (next-token, as EAGLE-3's first step: the query that drafts x_{a+1} holds the
+    # anchor's own embedding), so a block of B drafts B tokens; false = DFlash's fill-in, B - 1 tokens.
+    sample_from_anchor: bool = False
+    # DSpark's Markov head: logits of a drafted slot += w2 @ w1[the token before it] (w1 [target vocab, r],
+    # w2 [draft vocab, r]), drawn left to right after the one parallel pass, so a slot sees the token drafted
+    # before it, which the parallel pass cannot; 0 = none (plain DFlash).
+    markov_rank: int = 0
 
 
 def feature_layers(cfg: HeadConfig, target_config: Any) -> list[int]:
@@ -40,12 +49,15 @@ def feature_layers(cfg: HeadConfig, target_config: Any) -> list[int]:
 
 def check(cfg: DFlashConfig, vocab_size: int) -> None:
     """Refuse a config no head can be built from (ValueError naming the key)."""
-    if cfg.block_size < 2:
-        raise ValueError(f"head.block_size {cfg.block_size}: must be >= 2 (slot 0 is the anchor)")
+    if cfg.block_size < 2 - int(cfg.sample_from_anchor):
+        raise ValueError(f"head.block_size {cfg.block_size}: must be >= 2 (slot 0 is the anchor and drafts "
+                         "nothing unless head.sample_from_anchor)")
     if cfg.num_layers < 1:
         raise ValueError(f"head.num_layers {cfg.num_layers}: must be >= 1")
     if cfg.anchors < 1:
         raise ValueError(f"head.anchors {cfg.anchors}: must be >= 1")
+    if cfg.markov_rank < 0:
+        raise ValueError(f"head.markov_rank {cfg.markov_rank}: must be >= 0 (0 = no Markov head)")
     if cfg.decay_gamma <= 0:
         raise ValueError(f"head.decay_gamma {cfg.decay_gamma}: must be > 0")
     resolved_mask_token(cfg, vocab_size)
@@ -59,8 +71,15 @@ def resolved_mask_token(cfg: DFlashConfig, vocab_size: int) -> int:
     return m
 
 
-def loss_weights(cfg: DFlashConfig) -> list[float]:
-    """w_0 = 0 (the anchor slot predicts nothing), w_k = exp(-(k-1)/gamma) for k = 1..B-1.
+def first_slot(cfg: DFlashConfig) -> int:
+    """The first slot that drafts: 1 (DFlash: slot 0 holds the anchor), 0 with sample_from_anchor."""
+    return 0 if cfg.sample_from_anchor else 1
 
-    Worked example, B = 4, gamma = 4: [0, 1, 0.7788, 0.6065]."""
-    return [0.0] + [math.exp(-(k - 1) / cfg.decay_gamma) for k in range(1, cfg.block_size)]
+
+def loss_weights(cfg: DFlashConfig) -> list[float]:
+    """Per slot: 0 for a slot that drafts nothing, exp(-j/gamma) for the j-th drafting slot (j = 0, 1, ...).
+
+    Worked examples, B = 4, gamma = 4: [0, 1, 0.7788, 0.6065]; with sample_from_anchor [1, 0.7788, 0.6065,
+    0.4724]."""
+    f = first_slot(cfg)
+    return [0.0] * f + [math.exp(-j / cfg.decay_gamma) for j in range(cfg.block_size - f)]

@@ -6,9 +6,12 @@
 State between calls: each layer's keys/values of the committed context (positions 0..n-1, from the
 target's features only) and the anchor, the newest token at position n that the target has not processed.
 `draft(k)` runs the block [anchor, mask x (B-1)] at positions n..n+B-1 once over the whole context, and
-returns the chain of its first min(k, B-1) slots. The block is always run whole, so slot i's q depends only
-on the committed prefix (never on k or on the other drafted tokens): each drafted token is drawn from its
-own q (argmax at temperature 0), which is what exact chain verification needs. Nothing drafted is ever
+returns the chain of its first min(k, drafting slots) drafting slots (B - 1 of them; B with
+sample_from_anchor). The block is always run whole, so slot i's base logits depend only on the committed
+prefix (never on k); with a Markov head, the drafted tokens are then drawn left to right, each slot's q its
+base logits plus the bias of the token drawn before it (the anchor for the first), as vLLM's DSpark
+speculator does. Either way each drafted token is drawn from a q that depends only on the prefix and the
+chain before it (argmax at temperature 0), which is what exact chain verification needs. Nothing drafted is ever
 kept: `commit` / `commit_tokens` append the target's features of the accepted positions to the context,
 whatever path (head or n-gram) was accepted.
 
@@ -67,22 +70,41 @@ class DFlashDrafter:
         self.anchor = int(next_token)
 
     @torch.no_grad()
-    def block_logits(self) -> torch.Tensor:
-        """Draft-vocab logits [B-1, DV] of slots 1..B-1 of the block anchored at the current anchor."""
+    def block_states(self) -> torch.Tensor:
+        """The drafting slots' final states [drafting slots, H] of the block anchored at the current anchor."""
         if self.anchor is None:
             raise RuntimeError("DFlash drafter: draft() before begin()")
         head, bs = self.head, self.head.block_size
         emb = head.block_embeddings(torch.tensor([self.anchor], device=self.device), self.target)
         pos = torch.arange(self.n, self.n + bs, device=self.device)[None]
         h = head.block_states(emb, pos, self.ctx, None, self.target)  # no mask: all context, the whole block
-        return head.logits(h[0, 1:]).float()
+        return h[0, head.first_slot:]
+
+    @torch.no_grad()
+    def block_logits(self, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft-vocab logits [drafting slots, DV] of the current block; prev [drafting slots]: the target ids
+        before each drafted token, needed (only) with a Markov head."""
+        return self.head.logits(self.block_states(), prev).float()
 
     @torch.no_grad()
     def draft(self, k: int, temperature: float) -> DraftTree:
-        m = min(k, self.head.block_size - 1)
+        head = self.head
+        m = min(k, head.block_size - head.first_slot)
         if m <= 0:
             return DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.device))
-        logits = self.block_logits()[:m]
+        h = self.block_states()[:m]
+        if head.markov_head is None:
+            return self._draw(head.logits(h).float(), temperature)
+        ids, probs, prev = [], [], torch.tensor([self.anchor], device=self.device)
+        for i in range(m):  # DSpark's sequential stage: slot i's bias is that of the token drawn before it
+            tree = self._draw(head.logits(h[i : i + 1], prev).float(), temperature)
+            ids.append(tree.tokens)
+            probs.append(tree.probs)
+            prev = tree.tokens
+        return DraftTree.chain(torch.cat(ids), None if temperature <= 0 else torch.cat(probs))
+
+    def _draw(self, logits: torch.Tensor, temperature: float) -> DraftTree:
+        """The chain of one draw per row of draft-vocab logits [m, DV] (argmax at temperature 0)."""
         if temperature <= 0:
             return DraftTree.chain(self.head.to_target_ids(logits.argmax(-1)))
         q = torch.softmax(logits / temperature, dim=-1)

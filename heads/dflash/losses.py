@@ -10,6 +10,11 @@ exp(-(k-1)/gamma) (heads.dflash.config.loss_weights; slot 0 predicts nothing).
 
     loss = sum_{b, anchors, k} w_k * mask * CE(p, q) / (number of masked-in slots)
 
+With `sample_from_anchor` (DSpark's layout) every slot drafts, one position later: slot k predicts
+x_{a+k+1} against the target's distribution at a+k, weight exp(-k/gamma). With a Markov head, slot k's logits
+add the bias of the token before the one it predicts (the sequence's own token at the label position: the
+draft that an accepted chain would have fed it).
+
 Anchors: `anchors` positions per sequence drawn uniformly, without replacement, among a in 1..T-2 with
 loss_mask[a+1] = 1 (the first drafted token is supervised; a >= 1 leaves a context); a sequence with fewer
 such positions has its extra anchors flagged invalid (masked out of the loss), and a batch whose rows all
@@ -52,13 +57,16 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator |
     return anchors.gather(1, order), valid.gather(1, order)
 
 
-def block_alignment(anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot positions a + k, label positions a + k - 1), each [B, n, block_size].
+def block_alignment(anchors: torch.Tensor, block_size: int, first: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot positions a + k, label positions a + k - first), each [B, n, block_size]; `first` is the first
+    drafting slot (heads.dflash.config.first_slot). The label position is also the position of the token
+    before the predicted one (the Markov head's input).
 
-    Worked example, anchor 5, B = 4: slots at positions [5 6 7 8] (tokens x5, mask, mask, mask) predict
-    x6, x7, x8 from the target's distributions at [_ 5 6 7] (slot 0 predicts nothing)."""
+    Worked examples, anchor 5, B = 4: slots at positions [5 6 7 8] (tokens x5, mask, mask, mask) predict
+    x6, x7, x8 from the target's distributions at [_ 5 6 7] (slot 0 predicts nothing); with first = 0
+    (sample_from_anchor) they predict x6, x7, x8, x9 from the distributions at [5 6 7 8]."""
     slots = anchors[..., None] + torch.arange(block_size, device=anchors.device)
-    return slots, slots - 1
+    return slots, slots - first
 
 
 def context_mask(anchors: torch.Tensor, block_size: int, context: int) -> torch.Tensor:
@@ -70,15 +78,17 @@ def context_mask(anchors: torch.Tensor, block_size: int, context: int) -> torch.
 
 
 def block_logits(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch.Tensor) -> torch.Tensor:
-    """Draft-vocab logits [B, n, block_size, DV] of the blocks anchored at `anchors` [B, n] (one pass)."""
+    """Draft-vocab logits [B, n, block_size, DV] of the blocks anchored at `anchors` [B, n] (one pass; with a
+    Markov head, each slot biased by the sequence's token at its label position)."""
     ids, aux = batch["input_ids"], batch["aux"]
     b, t = ids.shape
     n, bs = anchors.shape[1], head.block_size
     ctx_kv = head.context_kv(aux, torch.arange(t, device=ids.device).expand(b, t), target)
     emb = head.block_embeddings(ids.gather(1, anchors), target).reshape(b, n * bs, -1)
-    slots, _ = block_alignment(anchors, bs)
+    slots, labels = block_alignment(anchors, bs, head.first_slot)
     h = head.block_states(emb, slots.reshape(b, n * bs), ctx_kv, context_mask(anchors, bs, t), target)
-    return head.logits(h).float().reshape(b, n, bs, -1)
+    prev = ids.gather(1, labels.clamp(0, t - 1).reshape(b, -1)) if head.markov_head is not None else None
+    return head.logits(h, prev).float().reshape(b, n, bs, -1)
 
 
 def block_loss(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch.Tensor, valid: torch.Tensor,
@@ -86,17 +96,18 @@ def block_loss(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch.T
     """The loss and metrics of the blocks at `anchors` (see the module docstring)."""
     ids, lmask = batch["input_ids"], batch["loss_mask"].float()
     b, t = ids.shape
-    bs = head.block_size
-    slots, labels = block_alignment(anchors, bs)
-    inside = (slots < t) & valid[..., None]
+    bs, first = head.block_size, head.first_slot
+    slots, labels = block_alignment(anchors, bs, first)
+    predicted = labels + 1
+    inside = (predicted < t) & valid[..., None]
     lab = labels.clamp(0, t - 1).reshape(b, -1)
     draft_ids = head.draft_ids()
     with torch.no_grad():
         last = batch["last"].gather(1, lab[..., None].expand(-1, -1, batch["last"].shape[-1]))
         p = _draft_vocab_logits(target, last, draft_ids).softmax(-1).reshape(b, -1, bs, draft_ids.numel())
         t_arg = batch["target_argmax"].long().gather(1, lab).reshape(b, -1, bs)
-        mask_tok = lmask.gather(1, slots.clamp(max=t - 1).reshape(b, -1)).reshape(b, -1, bs) * inside
-        mask_tok[..., 0] = 0  # slot 0 holds the anchor: it predicts nothing
+        mask_tok = lmask.gather(1, predicted.clamp(max=t - 1).reshape(b, -1)).reshape(b, -1, bs) * inside
+        mask_tok[..., :first] = 0  # DFlash's slot 0 holds the anchor: it predicts nothing
         mask = mask_tok * head.t2d[t_arg].float()
     logits = block_logits(head, batch, target, anchors)
     ce = -(p * logits.log_softmax(-1)).sum(-1)
@@ -105,10 +116,10 @@ def block_loss(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch.T
     metrics: dict[str, float] = {}
     with torch.no_grad():
         hit = (draft_ids[logits.argmax(-1)] == t_arg).float() * mask_tok
-        for k in range(1, bs):
+        for k in range(first, bs):
             cnt = float(mask_tok[..., k].sum())
-            metrics[f"top1/{k - 1}"] = float(hit[..., k].sum()) / max(cnt, 1.0)
-            metrics[f"n/{k - 1}"] = cnt
+            metrics[f"top1/{k - first}"] = float(hit[..., k].sum()) / max(cnt, 1.0)
+            metrics[f"n/{k - first}"] = cnt
     return total, metrics
 
 

@@ -9,6 +9,8 @@ names theirs; the equations in heads/dflash/__init__.py's docstring):
                  queries              q_norm(q_proj_l(x_i)) (per-head RMSNorm, then RoPE)
     h <- h + o_proj(attn(q; context keys, block keys));  h <- h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(h))         lm_head: the target's rows of the draft vocab, frozen
+             (+ markov_head.markov_w2(markov_w1[the token before the drafted one]) with head.markov_rank:
+             DSpark's transition bias, vLLM `qwen3_dspark.py`)
 
 The Llama pieces are EAGLE's (heads/eagle/model.py: RMSNorm, Attention's projections, MLP, rotary); drafting's
 attention (one block) is SDPA with grouped KV heads (enable_gqa), training's (many blocks side by side) is
@@ -18,7 +20,7 @@ attention (one block) is SDPA with grouped KV heads (enable_gqa), training's (ma
     prepare(cfg, dataset, target) -> {d2t, t2d, lm_head.weight, norm.weight}   draft vocab, target's rows
         context_kv(aux, positions, target) -> [(k, v) per layer]   the context's keys/values
         block_states(emb, positions, ctx_kv, ctx_mask, target) -> h    the blocks through every layer
-        logits(h)                                                  over the draft vocab
+        logits(h, prev=None)                                       over the draft vocab (+ Markov bias of prev)
     block_attention(q, ctx, kb, vb, ctx_mask, block_size)   training's attention (context + each block's square)
 
 Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py`.
@@ -33,7 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.base import HeadConfig
-from heads.dflash.config import DFlashConfig, check, feature_layers, loss_weights, resolved_mask_token
+from heads.dflash.config import (
+    DFlashConfig,
+    check,
+    feature_layers,
+    first_slot,
+    loss_weights,
+    resolved_mask_token,
+)
 from heads.eagle.config import resolved_draft_vocab
 from heads.eagle.model import (  # _rope: reused, not copied
     MLP,
@@ -123,6 +132,18 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class MarkovHead(nn.Module):
+    """DSpark's low-rank transition bias: markov_w2(markov_w1[token]) over the draft vocab, token a target id."""
+
+    def __init__(self, vocab: int, draft_vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab, bias=False)
+
+    def forward(self, prev: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(prev))
+
+
 class DFlashHead(nn.Module):
     """fc, hidden_norm, layers.{l}, norm, lm_head (frozen target rows) and the draft vocab maps d2t / t2d."""
 
@@ -139,6 +160,7 @@ class DFlashHead(nn.Module):
         eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.layer_ids = list(layer_ids)
         self.block_size, self.anchors = cfg.block_size, cfg.anchors
+        self.first_slot = first_slot(cfg)  # slot i >= first_slot drafts x_{a + i + 1 - first_slot}
         self.weights = loss_weights(cfg)  # per block slot (heads.dflash.losses)
         self.mask_token_id = resolved_mask_token(cfg, vocab)
         self.fc = nn.Linear(len(layer_ids) * h, h, bias=False)
@@ -146,6 +168,7 @@ class DFlashHead(nn.Module):
         inter = int(cfg.intermediate_size or config.intermediate_size)
         self.layers = nn.ModuleList([DFlashLayer(config, inter) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(h, eps)
+        self.markov_head = MarkovHead(vocab, draft_vocab, cfg.markov_rank) if cfg.markov_rank else None
         # The target's LM head restricted to the draft vocab (`prepare` copies the rows): frozen, as the
         # engines and speculators share it; stored so that an export carries exactly the rows drafted with.
         self.lm_head = nn.Linear(h, draft_vocab, bias=False).requires_grad_(False)
@@ -171,8 +194,15 @@ class DFlashHead(nn.Module):
             h = layer(h, ctx, cos, sin, ctx_mask, self.block_size)
         return h
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h))
+    def logits(self, h: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft-vocab logits of states h [..., H]; with a Markov head, plus its bias of prev [...] (the target
+        id of the token before each drafted one), which must then be given."""
+        out = self.lm_head(self.norm(h))
+        if self.markov_head is None:
+            return out
+        if prev is None:
+            raise ValueError("DFlash head with a Markov head: logits() needs the previous tokens")
+        return out + self.markov_head(prev.to(out.device)).to(out.dtype)
 
     def block_embeddings(self, anchors: torch.Tensor, target: TargetIO) -> torch.Tensor:
         """[anchor, mask x (B-1)] embedded by the target, per anchor token id: [*anchors.shape, B, H]."""
@@ -186,8 +216,11 @@ class DFlashHead(nn.Module):
 
 def _init(module: nn.Module, std: float) -> None:
     for m in module.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=std)
+    markov = getattr(module, "markov_head", None)
+    if markov is not None:  # the bias starts at zero: training starts from plain DFlash's logits
+        nn.init.zeros_(markov.markov_w2.weight)
 
 
 def build(cfg: HeadConfig, target: TargetIO) -> DFlashHead:
