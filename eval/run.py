@@ -122,7 +122,8 @@ def _check_engine(engine: str, head_meta: dict[str, Any] | None, drafter: str, t
         raise EvalError(f"--engine must be builtin or vllm, got '{engine}'")
     if engine == "vllm":
         try:
-            check_servable(head_meta["family"] if head_meta else None, drafter, tree)
+            check_servable(head_meta["family"] if head_meta else None, drafter, tree,
+                           head_meta.get("head_config") if head_meta else None)
         except ServeError as e:
             raise EvalError(str(e)) from None
 

@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 # Which families vLLM serves, and from which layout, each family declares in convert/<family>.py.
-from convert import ExportError, export_head, served_by_vllm
+from convert import ExportError, export_head, layouts_of, served_by_vllm
 from heads.base import read_head_config
 
 ACCEPTANCE_DEFINITION = ("conditional acceptance per draft position d: accepted at d / tested at d, where a chain "
@@ -78,13 +78,18 @@ class ServeError(ValueError):
     """The head or flags cannot be served by vLLM (one line, the eval CLI exits 2)."""
 
 
-def check_servable(family: str | None, drafter: str, tree: str) -> None:
-    """Refuse, before any eval work, what vLLM cannot serve (the reason is in the message)."""
+def check_servable(family: str | None, drafter: str, tree: str, head_config: dict | None = None) -> None:
+    """Refuse, before any eval work, what vLLM cannot serve (the reason is in the message); with the head's
+    `head_config` (its config.json's), also a head its family's served layout is not for (a DSpark head)."""
     if drafter != "head" or family is None:
         raise ServeError("--engine vllm needs a head (--head): vLLM's n-gram proposer is not ours to compare")
     serving, why_not = served_by_vllm(family)
     if serving is None:
         raise ServeError(f"--engine vllm: a {family} head is not served by vLLM here: {why_not}")
+    if head_config is not None and serving.format not in (own := layouts_of(family, head_config)):
+        raise ServeError(f"--engine vllm: vLLM serves {family} heads here in the {serving.format} layout, which "
+                         f"this head cannot be exported to (it exports to: {', '.join(own) or 'no engine layout'}; "
+                         "convert/formats/README.md says why)")
     if tree not in ("auto", "chain"):
         raise ServeError(f"--engine vllm compares chains (vLLM drafts a chain); eval.tree is '{tree}'")
     from data.vllm_engine import require_vllm

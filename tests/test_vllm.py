@@ -77,16 +77,19 @@ def test_served_counts_are_conditional_like_the_builtin_decoder():
     assert served_counts(m, 2)[2:] == ([40, 20], [100, 40])
 
 
-@pytest.mark.parametrize("family,drafter,tree,msg", [
-    ("medusa", "head", "auto", "medusa head is not served by vLLM here"),
-    ("mtp", "head", "auto", "DeepSeek-style"),
-    ("eagle1", "head", "auto", "EAGLE-1"),
-    (None, "ngram", "auto", "needs a head"),
-    ("eagle3", "head", "dynamic", "compares chains"),
+@pytest.mark.parametrize("family,drafter,tree,msg,head_config", [
+    ("medusa", "head", "auto", "medusa head is not served by vLLM here", None),
+    ("mtp", "head", "auto", "DeepSeek-style", None),
+    ("eagle1", "head", "auto", "EAGLE-1", None),
+    (None, "ngram", "auto", "needs a head", None),
+    ("eagle3", "head", "dynamic", "compares chains", None),
+    # a DSpark head: its family is served (DFlash's layout), but not this head (speculators_dspark only)
+    ("dflash", "head", "auto", "exports to: speculators_dspark", {"sample_from_anchor": True, "markov_rank": 8}),
+    ("dflash", "head", "auto", "exports to: no engine layout", {"sample_from_anchor": True, "markov_rank": 0}),
 ])
-def test_what_vllm_does_not_serve_is_refused_before_the_eval(family, drafter, tree, msg):
+def test_what_vllm_does_not_serve_is_refused_before_the_eval(family, drafter, tree, msg, head_config):
     with pytest.raises(ServeError, match=msg):
-        check_servable(family, drafter, tree)
+        check_servable(family, drafter, tree, head_config)
 
 
 def _run_at(tokens: int, seconds: float, drafts: int = 0, per_pos: tuple[int, ...] = (0, 0)) -> dict:
