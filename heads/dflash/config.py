@@ -30,7 +30,8 @@ class DFlashConfig(HeadConfig):
     mask_token_id: int | None = None  # null = the target's last id (its embedding row fills the masked slots)
     anchors: int = 512  # anchor positions sampled per sequence per step (SpecForge's default; more than an
     # answer has = every eligible position, which learned the first slot 0.23 -> 0.37 on the quickstart's store)
-    decay_gamma: float = 4.0  # block slot k >= 1 weighted exp(-(k-1)/gamma) (speculators' default for B = 8)
+    decay_gamma: float = 4.0  # the j-th drafting slot (j = 0, 1, ...) weighted exp(-j/gamma) (speculators' default
+    # for B = 8; loss_weights)
     intermediate_size: int | None = None  # draft MLP width; null = the target's
     # DSpark's layout (vLLM `qwen3_dspark.py`, `sample_from_anchor`): the anchor's slot drafts too, slot i
     # predicting x_{a+i+1} (next-token, as EAGLE-3's first step: the query that drafts x_{a+1} holds the

@@ -3,17 +3,16 @@
     d = drafter(head, target, generator=None)
     make = drafter_factory(head, target, tree="auto", k=4)   # eval.tree: auto / chain
 
-State between calls: each layer's keys/values of the committed context (positions 0..n-1, from the
-target's features only) and the anchor, the newest token at position n that the target has not processed.
-`draft(k)` runs the block [anchor, mask x (B-1)] at positions n..n+B-1 once over the whole context, and
-returns the chain of its first min(k, drafting slots) drafting slots (B - 1 of them; B with
-sample_from_anchor). The block is always run whole, so slot i's base logits depend only on the committed
-prefix (never on k); with a Markov head, the drafted tokens are then drawn left to right, each slot's q its
-base logits plus the bias of the token drawn before it (the anchor for the first), as vLLM's DSpark
-speculator does. Either way each drafted token is drawn from a q that depends only on the prefix and the
-chain before it (argmax at temperature 0), which is what exact chain verification needs. Nothing drafted is ever
-kept: `commit` / `commit_tokens` append the target's features of the accepted positions to the context,
-whatever path (head or n-gram) was accepted.
+State between calls: each layer's keys/values of the committed context (positions 0..n-1, from the target's
+features only) and the anchor, the newest token at position n that the target has not processed. `draft(k)` runs
+the block [anchor, mask x (B-1)] at positions n..n+B-1 once over the whole context, and returns the chain of its
+first min(k, m) drafting slots (m = B - 1; B with sample_from_anchor). The block is always run whole, so slot
+i's base logits depend only on the committed prefix (never on k); with a Markov head, the drafted tokens are
+then drawn left to right, each slot's q its base logits plus the bias of the token drawn before it (the anchor
+for the first), as vLLM's DSpark speculator does. Either way each drafted token is drawn from a q that depends
+only on the prefix and the chain before it (argmax at temperature 0), which is what exact chain verification
+needs. Nothing drafted is ever kept: `commit` / `commit_tokens` append the target's features of the accepted
+positions to the context, whatever path (head or n-gram) was accepted.
 
 Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py tests/test_sampling_drafters.py -k dflash`.
 """
