@@ -14,7 +14,7 @@ only on the prefix and the chain before it (argmax at temperature 0), which is w
 needs. Nothing drafted is ever kept: `commit` / `commit_tokens` append the target's features of the accepted
 positions to the context, whatever path (head or n-gram) was accepted.
 
-Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py tests/test_sampling_drafters.py -k dflash`.
+Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py tests/test_sampling_drafters.py -k "dflash or dspark"`.
 """
 
 from __future__ import annotations
