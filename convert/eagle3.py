@@ -162,8 +162,9 @@ def import_sglang(config: dict, state: dict[str, torch.Tensor], target: TargetIO
     return _import(config, state, target, where, config, ids, PREFIX["sglang"])
 
 
-def serving(repo_id: str, target_hub: str, k: int) -> str:
-    """The model card's serving commands: vLLM from the upload's root, SGLang from its `sglang/` folder."""
+def serving(repo_id: str, target_hub: str, k: int, layout: str) -> str:
+    """The model card's serving commands: vLLM from the upload's root (`layout`: speculators, the only one),
+    SGLang from its `sglang/` folder."""
     name = repo_id.split("/")[-1]
     return f"""vLLM (the repository root is the speculators layout; layer ids in vLLM's convention):
 

@@ -130,10 +130,11 @@ def best_k(js: Path | None, default: int = 5) -> int:
     return int(k) if isinstance(k, int) and k > 0 else default
 
 
-def serving_section(family: str, repo_id: str, target_hub: str, k: int = 5) -> str:
+def serving_section(family: str, repo_id: str, target_hub: str, k: int = 5, head_config: dict | None = None) -> str:
     """How to serve the published folder with vLLM and SGLang (or why an engine cannot): the family's
-    declaration in convert/<family>.py writes it."""
-    return serving_note(family, repo_id, target_hub, k)
+    declaration in convert/<family>.py writes it, for the layout `stage` puts at the root (head_config: the
+    native config.json's, which picks it)."""
+    return serving_note(family, repo_id, target_hub, k, head_config)
 
 
 def model_card(meta: dict, repo_id: str, table: str | None, files: list[str], license_id: str, k: int = 5,
@@ -177,7 +178,7 @@ A speculative-decoding drafter ({family}) trained with draftheads on the frozen 
 {eval_part}
 
 ## Serving
-{serving_section(family, repo_id, hub, k)}
+{serving_section(family, repo_id, hub, k, meta.get("head_config"))}
 
 ## Files
 {files_part}

@@ -372,6 +372,20 @@ def test_each_layout_refuses_the_other_kind_of_head(tiny_target, tmp_path):
             export_head(native, fmt, tmp_path / f"{variant}-{fmt}", io)
 
 
+def test_the_model_card_serves_each_head_with_its_own_method(tiny_target):
+    """The card's vLLM command names the method of the layout the upload's root holds: dspark for a head with
+    a Markov head (staged as speculators_dspark), dflash for a plain one."""
+    import dataclasses
+
+    from convert import serving_note
+
+    _, _, io = tiny_target
+    for variant, method, other in (("dspark", "dspark", "dflash"), ("dflash", "dflash", "dspark")):
+        cfg, _ = _head(io, **VARIANTS[variant])
+        card = serving_note("dflash", "me/head", "org/target", 3, dataclasses.asdict(cfg))
+        assert f'"method": "{method}"' in card and f'"method": "{other}"' not in card, variant
+
+
 def test_export_has_the_vllm_names_and_keys(tiny_target, exported):
     import json
 
