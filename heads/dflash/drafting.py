@@ -94,9 +94,12 @@ class DFlashDrafter:
         h = self.block_states()[:m]
         if head.markov_head is None:
             return self._draw(head.logits(h).float(), temperature)
+        # DSpark's sequential stage: the block's base logits once, then slot i's bias is that of the token drawn
+        # before it (head.logits, one slot at a time)
+        base = head.lm_head(head.norm(h))
         ids, probs, prev = [], [], torch.tensor([self.anchor], device=self.device)
-        for i in range(m):  # DSpark's sequential stage: slot i's bias is that of the token drawn before it
-            tree = self._draw(head.logits(h[i : i + 1], prev).float(), temperature)
+        for i in range(m):
+            tree = self._draw(head.add_markov_bias(base[i : i + 1], prev).float(), temperature)
             ids.append(tree.tokens)
             probs.append(tree.probs)
             prev = tree.tokens

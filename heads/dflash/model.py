@@ -202,7 +202,12 @@ class DFlashHead(nn.Module):
             return out
         if prev is None:
             raise ValueError("DFlash head with a Markov head: logits() needs the previous tokens")
-        return out + self.markov_head(prev.to(out.device)).to(out.dtype)
+        return self.add_markov_bias(out, prev)
+
+    def add_markov_bias(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Base logits [..., DV] (lm_head(norm(h))) plus the Markov head's bias of prev [...]: what `logits`
+        returns, for a drafter that computes the base of a whole block once and draws its slots one by one."""
+        return base + self.markov_head(prev.to(base.device)).to(base.dtype)
 
     def block_embeddings(self, anchors: torch.Tensor, target: TargetIO) -> torch.Tensor:
         """[anchor, mask x (B-1)] embedded by the target, per anchor token id: [*anchors.shape, B, H]."""
