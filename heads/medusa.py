@@ -214,4 +214,5 @@ def drafter_factory(head: MedusaHead, target: TargetIO, tree: str = "auto", k: i
 
 
 FAMILIES = (Family(name="medusa", config=MedusaConfig, feature_layers=feature_layers, build=build, loss=loss,
-                   drafter_factory=drafter_factory, trees=TREES, script="medusa", tiny="configs/tiny-medusa.yaml"),)
+                   drafter_factory=drafter_factory, trees=TREES, script="medusa", tiny="configs/tiny-medusa.yaml",
+                   target_labels=lambda cfg: cfg.distill),)

@@ -41,6 +41,10 @@ def _reads_nothing_extra(cfg: HeadConfig) -> frozenset[str]:
     return frozenset()
 
 
+def _labels_are_the_sequence(cfg: HeadConfig) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Family:
     """Everything the pipeline needs from a head family. The function fields take the family's own config
@@ -56,6 +60,9 @@ class Family:
     trees            the eval.tree values besides "auto" (always mapped) that drafter_factory accepts
     prepare          optional (cfg, train_dataset, target) -> {tensor name: initial value} from the data
     reads            (cfg) -> the optional store keys its loss reads (TARGET_ARGMAX, or none)
+    target_labels    (cfg) -> whether every label its loss reads is the target's (its distribution, features
+                     or greedy token), none the sequence's own token: only then may train.assistant_only_loss
+                     be false (on a prompt position the sequence's token is the user's, not the target's)
     script           the train/<script>.py entry that also trains it ("" = only `python -m train`)
     tiny             a tiny-run config (repo-relative) for tests and smoke runs ("" = none)
     """
@@ -69,6 +76,7 @@ class Family:
     trees: tuple[str, ...] = ("chain",)
     prepare: Callable[[Any, Any, TargetIO], dict[str, torch.Tensor]] | None = None
     reads: Callable[[Any], frozenset[str]] = field(default=_reads_nothing_extra)
+    target_labels: Callable[[Any], bool] = field(default=_labels_are_the_sequence)
     script: str = ""
     tiny: str = ""
 

@@ -218,6 +218,40 @@ def test_cli_refuses_another_family_and_a_too_large_draft_vocab(tmp_path, cache_
     assert "head.draft_vocab_size 250 is larger than the" in capsys.readouterr().err
 
 
+def test_assistant_only_loss_false_trains_on_every_real_token_and_evaluates_the_assistants(tmp_path, cache_dir,
+                                                                                          capsys):
+    """train.assistant_only_loss false: the loss sees every real token's mask while training and the stored
+    (assistant) mask in held-out evaluation; a run with it trains another head than the default; a family whose
+    labels are the sequence's own tokens (MTP) is refused by name, exit 2 from the CLI."""
+    seen = []
+
+    def spy(head, batch, target):
+        seen.append(batch["loss_mask"].clone())
+        return torch.zeros(()), {}
+
+    batch = {"attention_mask": torch.tensor([[1, 1, 1, 1, 0]]), "loss_mask": torch.tensor([[0, 0, 1, 1, 0]])}
+    for assistant_only, want_train in ((True, [0, 0, 1, 1, 0]), (False, [1, 1, 1, 1, 0])):
+        module = train_loop.LossModule(torch.nn.Linear(1, 1), spy, None, assistant_only)
+        module.train()(batch)
+        module.eval()(batch)
+        assert seen[-2].tolist() == [want_train] and seen[-1].tolist() == [[0, 0, 1, 1, 0]], assistant_only
+    assert batch["loss_mask"].tolist() == [[0, 0, 1, 1, 0]]  # the caller's batch is left as it was
+
+    default = train(_cfg("configs/tiny-eagle.yaml", tmp_path / "a", cache_dir))
+    every = train(_cfg("configs/tiny-eagle.yaml", tmp_path / "b", cache_dir, **{"train.assistant_only_loss": "false"}))
+    assert every["digest"] != default["digest"]
+    assert _rows(tmp_path / "b", "train")[0]["loss"] != _rows(tmp_path / "a", "train")[0]["loss"]
+    # held-out rows score the same (assistant) positions: the untrained heads' step-0 evaluations agree
+    assert _rows(tmp_path / "b", "eval")[0]["eval/loss"] == _rows(tmp_path / "a", "eval")[0]["eval/loss"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "configs/tiny-mtp.yaml", "--out", str(tmp_path / "m"), "--train.assistant_only_loss=false",
+              f"--data.cache_dir={cache_dir}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.assistant_only_loss false: this mtp head's loss is labelled with" in err[0]
+
+
 def test_eval_at_end_writes_the_report(tmp_path, cache_dir):
     """train.eval_at_end: the CLI trains, then evaluates the finished head with the exact decoder."""
     out = tmp_path / "run"

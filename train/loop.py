@@ -86,13 +86,16 @@ class LossModule(nn.Module):
     """The head plus its family's loss as one module, so DDP/DeepSpeed/FSDP wrap a forward that returns
     (loss, metrics). The frozen target is held as a plain attribute: never trained, never saved."""
 
-    def __init__(self, head: nn.Module, loss_fn: Callable, target: TargetIO):
+    def __init__(self, head: nn.Module, loss_fn: Callable, target: TargetIO, assistant_only_loss: bool = True):
         super().__init__()
         self.head = head
         self.loss_fn = loss_fn
         self.target = target
+        self.assistant_only_loss = assistant_only_loss
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.training and not self.assistant_only_loss:  # train.assistant_only_loss false: every real token
+            batch = {**batch, "loss_mask": batch["attention_mask"]}
         return self.loss_fn(self.head, batch, self.target)
 
 
@@ -267,6 +270,10 @@ def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     family = registry.get(cfg.head.family)
+    if not cfg.train.assistant_only_loss and not family.target_labels(cfg.head):
+        raise TrainError(f"train.assistant_only_loss false: this {family.name} head's loss is labelled with the "
+                         "sequence's own tokens, which on a prompt position are the user's, not the target's: keep "
+                         "it true, or train the head against the target's distribution where its config can")
     frozen = load_frozen_target(cfg, accelerator, online=cfg.features.mode == "online")
     checkpoint.check_target(frozen.io)  # the same weights as the run that wrote the checkpoint
     if accelerator.is_main_process:
@@ -289,7 +296,7 @@ def prepare(cfg: RunConfig, accelerator: Accelerator, checkpoint: Resume) -> Run
     adamw = torch.optim.AdamW(head.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                               weight_decay=cfg.optim.weight_decay)
     apply_plan(accelerator, plan, cfg)
-    model, optimizer = accelerator.prepare(LossModule(head, family.loss, frozen.io), adamw)
+    model, optimizer = accelerator.prepare(LossModule(head, family.loss, frozen.io, cfg.train.assistant_only_loss), adamw)
     start = restore(checkpoint, accelerator, model, optimizer, plan, cfg)
     # On the plain AdamW (that accelerate and DeepSpeed step): the schedule at `start` of THIS config.
     scheduler = make_scheduler(adamw, cfg, plan.total_steps, start)

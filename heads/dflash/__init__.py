@@ -59,7 +59,8 @@ from heads.registry import TARGET_ARGMAX, Family
 
 FAMILIES = (Family(name="dflash", config=DFlashConfig, feature_layers=feature_layers, build=build, loss=loss,
                    drafter_factory=drafter_factory, trees=("chain",), prepare=prepare,
-                   reads=lambda cfg: frozenset({TARGET_ARGMAX}), tiny="configs/tiny-dflash.yaml"),)
+                   reads=lambda cfg: frozenset({TARGET_ARGMAX}), target_labels=lambda cfg: True,
+                   tiny="configs/tiny-dflash.yaml"),)
 
 __all__ = [
     "FAMILIES", "DFlashAttention", "DFlashConfig", "DFlashDrafter", "DFlashHead", "DFlashLayer", "block_alignment",

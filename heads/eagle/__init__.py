@@ -80,9 +80,10 @@ from heads.eagle.vocab import draft_vocab_from_counts, prepare, token_counts
 from heads.registry import TARGET_ARGMAX, Family
 
 # EAGLE-1 and EAGLE-3 share every function (each dispatches on the config or head class); only EAGLE-3's
-# loss reads the target's argmax (EAGLE-1 uses the full logits of the next feature).
+# loss reads the target's argmax (EAGLE-1 uses the full logits of the next feature). Every label is the
+# target's: its next feature, its distribution, its greedy token (never the sequence's token).
 _SHARED = dict(feature_layers=feature_layers, build=build, loss=loss, drafter_factory=drafter_factory,
-               trees=TREES, prepare=prepare, script="eagle")
+               trees=TREES, prepare=prepare, script="eagle", target_labels=lambda cfg: True)
 FAMILIES = (
     Family(name="eagle1", config=Eagle1Config, tiny="configs/tiny-eagle1.yaml", **_SHARED),
     Family(name="eagle3", config=Eagle3Config, tiny="configs/tiny-eagle.yaml",
