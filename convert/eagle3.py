@@ -92,9 +92,8 @@ def export_speculators(head: nn.Module, cfg: HeadConfig, meta: dict, target: Tar
 
 def export_sglang(head: nn.Module, cfg: HeadConfig, meta: dict, target: TargetIO, verifier: str,
                   speculative_tokens: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """SGLang's layout: the draft layer's config at the top level, layer ids as "output of layer i"."""
-    if cfg.norm_before_residual:  # the layout has no key for it: the engine would compute the default forward
-        raise ExportError("head.norm_before_residual is true: the sglang layout has no such key; export speculators")
+    """SGLang's layout (a head `refuses_sglang` lets through): the draft layer's config at the top level, layer
+    ids as "output of layer i"."""
     state = head_state(head)
     layer = layer_config(head, target)
     ids = [i - 1 for i in served_layer_ids(meta, target)]  # SGLang adds 1 before capturing
@@ -162,16 +161,19 @@ def import_sglang(config: dict, state: dict[str, torch.Tensor], target: TargetIO
     return _import(config, state, target, where, config, ids, PREFIX["sglang"])
 
 
-def serving(repo_id: str, target_hub: str, k: int, layout: str) -> str:
-    """The model card's serving commands: vLLM from the upload's root (`layout`: speculators, the only one),
-    SGLang from its `sglang/` folder."""
+def serving(repo_id: str, target_hub: str, k: int, layouts: tuple[str, ...]) -> str:
+    """The model card's serving commands: vLLM from the upload's root (speculators), SGLang from its `sglang/`
+    folder when the upload holds one (`layouts`: not for a head with norm_before_residual)."""
     name = repo_id.split("/")[-1]
-    return f"""vLLM (the repository root is the speculators layout; layer ids in vLLM's convention):
+    vllm = f"""vLLM (the repository root is the speculators layout; layer ids in vLLM's convention):
 
 ```bash
 vllm serve {target_hub} \\
   --speculative-config '{{"method": "eagle3", "model": "{repo_id}", "num_speculative_tokens": {k}}}'
-```
+```"""
+    if "sglang" not in layouts:
+        return vllm + "\n\nSGLang: not served (its layout has no key for head.norm_before_residual)."
+    return vllm + f"""
 
 SGLang (the `sglang/` folder; layer ids in SGLang's convention, one less than vLLM's):
 
@@ -183,10 +185,17 @@ python -m sglang.launch_server --model-path {target_hub} --speculative-algorithm
 ```"""
 
 
+def refuses_sglang(head_config: dict) -> str:
+    """Why a head cannot go to SGLang's layout ("" when it can)."""
+    if head_config.get("norm_before_residual"):  # no key for it: the engine would compute the default forward
+        return "head.norm_before_residual is true: the sglang layout has no such key; export speculators"
+    return ""
+
+
 EXPORTS = FamilyExports(
     family="eagle3",
     layouts=(Layout("speculators", export_speculators, import_speculators),
-             Layout("sglang", export_sglang, import_sglang)),
+             Layout("sglang", export_sglang, import_sglang, refuses_sglang)),
     vllm=VllmServing(format="speculators", method="eagle3"),
     serving=serving,
 )

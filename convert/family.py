@@ -27,9 +27,9 @@ from heads.base import HeadConfig, TargetIO
 ExportFn = Callable[[nn.Module, HeadConfig, dict, TargetIO, str, int], tuple[dict, dict[str, torch.Tensor]]]
 # (config, weights, target, where) -> (native head config, native state dict)
 ImportFn = Callable[[dict, dict[str, torch.Tensor], TargetIO, str], tuple[HeadConfig, dict[str, torch.Tensor]]]
-# (Hub repo id of the upload, the target's Hub id, draft length k, the upload root's layout format: "" for
-# native only) -> the model card's "Serving" text
-ServingFn = Callable[[str, str, int, str], str]
+# (Hub repo id of the upload, the target's Hub id, draft length k, the engine layouts the upload holds, its
+# root's first: () for native only) -> the model card's "Serving" text
+ServingFn = Callable[[str, str, int, tuple[str, ...]], str]
 
 
 @dataclass(frozen=True)

@@ -69,5 +69,5 @@ EXPORTS = FamilyExports(
     family="medusa",
     layouts=(Layout("medusa", export_medusa, import_medusa),),
     not_served="exported in the Medusa repository's layout; vLLM's Medusa model expects other names and config",
-    serving=lambda repo_id, target_hub, k, layout: SERVING,
+    serving=lambda repo_id, target_hub, k, layouts: SERVING,
 )

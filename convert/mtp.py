@@ -103,5 +103,5 @@ EXPORTS = FamilyExports(
     family="mtp",
     layouts=(Layout("mtp", export_mtp, import_mtp),),
     not_served="vLLM serves MTP modules only inside DeepSeek-style target checkpoints",
-    serving=lambda repo_id, target_hub, k, layout: SERVING,
+    serving=lambda repo_id, target_hub, k, layouts: SERVING,
 )

@@ -59,13 +59,13 @@ def served_by_vllm(family: str) -> tuple[VllmServing | None, str]:
 
 
 def serving_note(family: str, repo_id: str, target_hub: str, k: int = 5, head_config: dict | None = None) -> str:
-    """How to serve a published `family` head (the model card's Serving section): for the layout the upload's
-    root holds, the first of `layouts_of(family, head_config)` (a DFlash head with a Markov head: DSpark's)."""
+    """How to serve a published `family` head (the model card's Serving section): from the layouts the upload
+    holds, `layouts_of(family, head_config)` (scripts/publish.py stages those; a DFlash head with a Markov head:
+    DSpark's; an EAGLE-3 head with norm_before_residual: no sglang/)."""
     exports = FAMILY_EXPORTS.get(family)
     if exports is None or exports.serving is None:
         return f"{family} heads have no engine layout here; evaluate them with this project (`draftheads/`)."
-    layouts = layouts_of(family, head_config)
-    return exports.serving(repo_id, target_hub, k, layouts[0] if layouts else "")
+    return exports.serving(repo_id, target_hub, k, layouts_of(family, head_config))
 
 
 def layouts_of(family: str, head_config: dict | None = None) -> tuple[str, ...]:

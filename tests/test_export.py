@@ -9,6 +9,7 @@ identical greedy speculative decoding, and incomplete or misconfigured checkpoin
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -28,6 +29,7 @@ from convert import (
     load_spec,
     resolve_symbols,
     served_by_vllm,
+    serving_note,
     validate,
     validate_folder,
     write_folder,
@@ -210,6 +212,12 @@ def test_norm_before_residual_round_trips_through_speculators_and_sglang_refuses
     with pytest.raises(ExportError, match="head.norm_before_residual is true: the sglang layout has no such key"):
         export_head(native, "sglang", tmp_path / "sgl", io)
     assert not (tmp_path / "sgl").exists()
+    # what publishing stages and its model card follow the same rule: no sglang/ folder, no SGLang command
+    config = dataclasses.asdict(cfg)
+    assert layouts_of("eagle3", config) == ("speculators",)
+    card = serving_note("eagle3", "me/head", "org/target", 3, config)
+    assert '"method": "eagle3"' in card and "sglang.launch_server" not in card and "SGLang: not served" in card
+    assert "sglang.launch_server" in serving_note("eagle3", "me/head", "org/target", 3, {"norm_before_residual": False})
 
 
 def test_native_export_reloads(heads_dir, tiny_target, tmp_path):
