@@ -132,8 +132,8 @@ def best_k(js: Path | None, default: int = 5) -> int:
 
 def serving_section(family: str, repo_id: str, target_hub: str, k: int = 5, head_config: dict | None = None) -> str:
     """How to serve the published folder with vLLM and SGLang (or why an engine cannot): the family's
-    declaration in convert/<family>.py writes it, for the layout `stage` puts at the root (head_config: the
-    native config.json's, which picks it)."""
+    declaration in convert/<family>.py writes it, for the layouts `stage` puts in the folder (head_config: the
+    native config.json's, which picks them)."""
     return serving_note(family, repo_id, target_hub, k, head_config)
 
 

@@ -96,7 +96,7 @@ class DFlashDrafter:
             return self._draw(head.logits(h).float(), temperature)
         # DSpark's sequential stage: the block's base logits once, then slot i's bias is that of the token drawn
         # before it (head.logits, one slot at a time)
-        base = head.lm_head(head.norm(h))
+        base = head.base_logits(h)
         ids, probs, prev = [], [], torch.tensor([self.anchor], device=self.device)
         for i in range(m):
             tree = self._draw(head.add_markov_bias(base[i : i + 1], prev).float(), temperature)

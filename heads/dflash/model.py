@@ -197,16 +197,20 @@ class DFlashHead(nn.Module):
     def logits(self, h: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
         """Draft-vocab logits of states h [..., H]; with a Markov head, plus its bias of prev [...] (the target
         id of the token before each drafted one), which must then be given."""
-        out = self.lm_head(self.norm(h))
+        out = self.base_logits(h)
         if self.markov_head is None:
             return out
         if prev is None:
             raise ValueError("DFlash head with a Markov head: logits() needs the previous tokens")
         return self.add_markov_bias(out, prev)
 
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of states h [..., H] before any Markov bias: lm_head(norm(h))."""
+        return self.lm_head(self.norm(h))
+
     def add_markov_bias(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """Base logits [..., DV] (lm_head(norm(h))) plus the Markov head's bias of prev [...]: what `logits`
-        returns, for a drafter that computes the base of a whole block once and draws its slots one by one."""
+        """`base_logits` [..., DV] plus the Markov head's bias of prev [...]: what `logits` returns, for a drafter
+        that computes the base of a whole block once and draws its slots one by one."""
         return base + self.markov_head(prev.to(base.device)).to(base.dtype)
 
     def block_embeddings(self, anchors: torch.Tensor, target: TargetIO) -> torch.Tensor:
