@@ -7,6 +7,7 @@ decoder's k is chosen from measurements, never assumed:
     acc, draft = calibrate(model, drafter, prompts, k=8)     # Calibration: acceptance per depth + DraftCost
     k, speedup = choose_k(acc, T, draft, k_max=16)           # k = 0 means plain decoding is fastest
     S = measure_cost_surface(model, (1, 4, 16), (1, 2, 5))   # {B: VerifyCost}: T(B, n), B rows of n tokens
+    place_head(head, device, torch.float32, "auto")          # eval.draft_dtype: the dtype the head drafts in
 
 The model (all times per target pass, one pass verifies the root plus the n draft nodes):
     E(k)     = 1 + f * sum_{j=1..k} prod_{i<=j} a_i     expected tokens per pass (the bonus/corrected token is
@@ -23,10 +24,13 @@ per-pass choice, is E * T(1) / time through the one `speedup` function.
 from __future__ import annotations
 
 import statistics
+import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from data.kvcache import DynamicKV, KVCache, new_kv, timed_pass
@@ -34,6 +38,66 @@ from eval.decoder import GenerationStats, speculative_generate
 from heads.base import Drafter
 
 DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
+# eval.draft_dtype auto: bfloat16 only when the head's matrices run at least this much faster in it (a smaller
+# gain is inside what one timing varies by), and only for heads with at least AUTO_DTYPE_MIN_PARAMS in their
+# matrices (a tiny head's draft costs little either way: untimed, it drafts in the target's dtype).
+AUTO_DTYPE_MARGIN = 0.10
+AUTO_DTYPE_MIN_PARAMS = 1_000_000
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def linear_seconds(head: nn.Module, dtype: torch.dtype, repeats: int = 5, rounds: int = 20) -> float:
+    """Median seconds of one row through every nn.Linear of `head` with its weights in `dtype` (copies: the
+    head is left as it is): what a drafted token costs in memory traffic, the bound of CPU drafting."""
+    mats = [(m.weight.detach().to(dtype), None if m.bias is None else m.bias.detach().to(dtype))
+            for m in head.modules() if isinstance(m, nn.Linear)]
+    rows = [torch.randn(1, w.shape[1], dtype=dtype, device=w.device) for w, _ in mats]
+
+    def once() -> None:
+        for (w, b), x in zip(mats, rows):
+            F.linear(x, w, b)
+
+    with torch.no_grad():
+        once()  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                once()
+            times.append((time.perf_counter() - t0) / rounds)
+    return statistics.median(times)
+
+
+def place_head(head: nn.Module, device: torch.device, target_dtype: torch.dtype, choice: str = "auto",
+               log: Callable[[str], None] = _stderr,
+               timer: Callable[[nn.Module, torch.dtype], float] = linear_seconds) -> torch.dtype:
+    """Move `head` to the target's device in the dtype it drafts in (eval.draft_dtype), and return that dtype.
+
+    choice "target": the target's dtype; "bfloat16": bfloat16; "auto": on a CPU float32 target, bfloat16 when
+    `timer` finds the head's matrices at least AUTO_DTYPE_MARGIN faster in it (the choice and both times are
+    logged), else the target's dtype; elsewhere (GPUs, a bfloat16 target, a head with fewer than
+    AUTO_DTYPE_MIN_PARAMS in its matrices) the target's dtype, untimed. Exactness does not depend on it: the
+    drafter reports the q it drew from, in whatever dtype it computed it."""
+    if choice not in ("auto", "target", "bfloat16"):
+        raise ValueError(f"eval.draft_dtype must be auto, target or bfloat16, got {choice!r}")
+    dtype = torch.bfloat16 if choice == "bfloat16" else target_dtype
+    head.to(device=device, dtype=target_dtype)
+    mats = sum(m.weight.numel() for m in head.modules() if isinstance(m, nn.Linear))
+    if choice == "auto" and device.type == "cpu" and target_dtype == torch.float32 and mats >= AUTO_DTYPE_MIN_PARAMS:
+        full, half = timer(head, torch.float32), timer(head, torch.bfloat16)
+        dtype = torch.bfloat16 if half < (1 - AUTO_DTYPE_MARGIN) * full else target_dtype
+        log(f"eval.draft_dtype auto: {dtype_name(dtype)} (one row through the head's matrices: float32 "
+            f"{full * 1e3:.2f} ms, bfloat16 {half * 1e3:.2f} ms)")
+    head.to(dtype=dtype)
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16 (the config's spelling)."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass

@@ -80,6 +80,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"Target `{report['target']}`, drafter **{report['drafter']}**"
         + (f" (head `{report['head']}`)" if report.get("head") else "")
         + (f" sha256 `{report['head_sha256'][:16]}`" if report.get("head_sha256") else "")
+        + (f", drafting in {report['draft_dtype']}" if report.get("draft_dtype") else "")
         + f", k = {report['k']} ({report['k_source']}), tree `{report.get('tree', 'chain')}`, "
         f"max {report['max_new_tokens']} new tokens, device {report['machine']['device']}.",
         "",
@@ -410,6 +411,7 @@ def assemble_report(target_cfg: TargetConfig, head_dir: str | Path | None, subje
         "head_sha256": None if head_dir is None else sha256_file(Path(head_dir) / "model.safetensors"),
         "family": None if subject.head_cfg is None else subject.head_cfg.family,
         "drafter": subject.main,
+        "draft_dtype": subject.draft_dtype,
         "k": costs.k,
         "k_source": "eval.num_draft_tokens" if cfg_eval.num_draft_tokens is not None
         else "eval.costs.choose_k: calibration acceptance and draft cost, measured verify curve",

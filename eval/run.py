@@ -65,7 +65,7 @@ from data.target import load_target
 from eval.batch import Method, sweep
 from eval.bench import Question, bench_name, load_questions
 from eval.calibrate import Costs, measure_costs
-from eval.costs import measure_cost_surface
+from eval.costs import dtype_name, measure_cost_surface, place_head
 from eval.drafters import HybridDrafter, NgramDrafter
 from eval.report import assemble_report, claim_eval_folder, markdown, write_report
 from eval.tally import BASELINES, benchmarks_section, speedup_section
@@ -129,14 +129,18 @@ def _check_engine(engine: str, head_meta: dict[str, Any] | None, drafter: str, t
 
 
 def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, head_dir: str | Path | None,
-          drafter: str, baselines: Sequence[str], tree: str) -> tuple[Target, Subject]:
-    """The target (or the one already in memory) and the head on its device; the methods to run."""
+          drafter: str, baselines: Sequence[str], tree: str, draft_dtype: str = "auto",
+          log: Callable[[str], None] = print) -> tuple[Target, Subject]:
+    """The target (or the one already in memory) and the head on its device, in the dtype it drafts in
+    (eval.draft_dtype); the methods to run."""
     model, tok, io = loaded if loaded is not None else load_target(target_cfg, decode=True, verify=True)
     device = next(model.parameters()).device
     head = head_cfg = None
+    dtype = next(model.parameters()).dtype
     if head_dir is not None:
         head, head_cfg, _ = load_head(head_dir, io)  # refuses another target's head, naming why
-        head.to(device=device, dtype=next(model.parameters()).dtype)  # the drafter reads the target's features
+        # the head casts the target's features and embeddings to its own dtype (each family's drafter)
+        dtype = place_head(head, device, dtype, draft_dtype, log)
     hybrid = drafter == "head+ngram"
     name = head_cfg.family if head_cfg is not None else "head"
     main = "ngram" if drafter == "ngram" else f"{name}+ngram" if hybrid else name
@@ -147,7 +151,7 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
         return NgramDrafter if drafter == "ngram" else registry.get(head_cfg.family).drafter_factory(head, io, tree, k)
 
     target = Target(model, tok, io, device, eos_ids(model, tok))
-    return target, Subject(drafter, head_cfg, main, methods, factory)
+    return target, Subject(drafter, head_cfg, main, methods, factory, dtype_name(dtype) if head is not None else None)
 
 
 def _plan_line(target_cfg: TargetConfig, subject: Subject, costs: Costs, cfg_eval: EvalConfig,
@@ -232,7 +236,8 @@ def evaluate(
     head_meta, target_cfg = _resolve_target(head_dir, target_cfg)
     questions = {bench_name(b): load_questions(b, cfg_eval.max_questions) for b in cfg_eval.bench}
     _check_engine(engine, head_meta, drafter, cfg_eval.tree)
-    target, subject = _load(target_cfg, loaded, head_dir, drafter, baselines, cfg_eval.tree)
+    target, subject = _load(target_cfg, loaded, head_dir, drafter, baselines, cfg_eval.tree, cfg_eval.draft_dtype,
+                            log)
     costs = measure_costs(target, subject, cfg_eval, questions)
     log(_plan_line(target_cfg, subject, costs, cfg_eval, questions))
     served: Served | None = {} if engine == "vllm" else None

@@ -86,6 +86,7 @@ class Subject:
     main: str  # the evaluated method's name: the head's family, "<family>+ngram" or "ngram"
     methods: list[str]  # main first, then the head alone beside a hybrid, then the baselines
     factory: Callable[[int], Callable[[], Drafter]]  # draft length -> a factory of fresh drafters
+    draft_dtype: str | None = None  # the dtype the head drafts in (eval.draft_dtype resolved); None without a head
 
     @property
     def hybrid(self) -> bool:

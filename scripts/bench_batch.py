@@ -51,7 +51,7 @@ from data.kvcache import timed_pass  # noqa: E402
 from data.regenerate import render_rows  # noqa: E402
 from data.target import load_target  # noqa: E402
 from eval.batch import BatchRun, interleave_batches  # noqa: E402
-from eval.costs import DraftCost, VerifyCost, context_cache  # noqa: E402
+from eval.costs import DraftCost, VerifyCost, context_cache, place_head  # noqa: E402
 from eval.decoder import interleave, plain_steps, speculative_steps  # noqa: E402
 from eval.drafters import DeferredSync, HybridDrafter  # noqa: E402
 from eval.policy import AdaptivePolicy, LoadAware  # noqa: E402
@@ -111,7 +111,7 @@ def _head_factory(args, io, device, dtype):
         cfg.draft_vocab_size = min(cfg.draft_vocab_size, io.vocab_size)
         torch.manual_seed(0)
         head = registry.get(cfg.family).build(cfg, io)
-    head.to(device=device, dtype=dtype)
+    place_head(head, device, dtype, args.draft_dtype)
     return registry.get(cfg.family).drafter_factory(head, io, "auto", 4)
 
 
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--draft-dtype", choices=("auto", "target", "bfloat16"), default="auto",
+                    help="the dtype the head drafts in (eval.draft_dtype)")
     args = ap.parse_args(argv)
     try:
         sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]

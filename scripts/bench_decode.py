@@ -60,6 +60,7 @@ from eval.costs import (  # noqa: E402
     choose_k,
     ideal_speedup,
     measure_verify_cost,
+    place_head,
 )
 from eval.decoder import GenerationStats, plain_generate, speculative_generate  # noqa: E402
 from eval.drafters import DeferredSync, HybridDrafter, NgramDrafter, self_speculative_drafter  # noqa: E402
@@ -186,19 +187,22 @@ def hf_generate(model, ids: torch.Tensor, max_new: int, **kw) -> tuple[list[int]
 
 
 @cli_main
-def block_pass_vs_step(model, io, prompt: torch.Tensor, reps: int = 30) -> dict:
+def block_pass_vs_step(model, io, prompt: torch.Tensor, reps: int = 30, draft_dtype: str = "auto") -> dict:
     """One DFlash block pass (B = 8: 7 drafted tokens) against one EAGLE-3 draft step (and 3 drafted tokens of
     the shipped DSpark-layout recipe against EAGLE-3's 3), freshly built with
     the quickstart's head sizes (configs/smollm2-135m.yaml, configs/smollm2-135m-dflash.yaml: draft vocab
     2048, one draft layer), on the same prompt's features. EAGLE-3's step = (draft(5) - draft(1)) / 4 (its
     first token comes from the logits cached at commit; each further token is one pass of its layer); the
-    block = draft(7). Medians of `reps` calls. Target of issue 25: ratio <= 2."""
+    block = draft(7). Medians of `reps` calls. Target of issue 25: ratio <= 2. Each head drafts in the dtype
+    eval.draft_dtype `draft_dtype` gives it (eval.costs.place_head), as eval.run's would."""
     from data.features import forward_features
     from heads import dflash, eagle
 
     torch.manual_seed(0)
     e3 = eagle.build(eagle.Eagle3Config(draft_vocab_size=2048, ttt_length=3), io).eval()
     blk = dflash.build(dflash.DFlashConfig(draft_vocab_size=2048, block_size=8), io).eval()
+    for h in (e3, blk):
+        place_head(h, prompt.device, torch.float32, draft_dtype)
     feats = forward_features(model, prompt, None, e3.layer_ids)[0]
     de, dd = eagle.drafter(e3, io), dflash.drafter(blk, io)
     de.begin(prompt, feats, 0)
@@ -220,6 +224,7 @@ def block_pass_vs_step(model, io, prompt: torch.Tensor, reps: int = 30) -> dict:
     # EAGLE-3 drafting 3 (two passes of its layer after the cached first token).
     ds = dflash.build(dflash.DFlashConfig(draft_vocab_size=2048, block_size=3, num_layers=2, intermediate_size=768,
                                           sample_from_anchor=True, markov_rank=256), io).eval()
+    place_head(ds, prompt.device, torch.float32, draft_dtype)
     dsd = dflash.drafter(ds, io)
     dsd.begin(prompt, feats, 0)
     return {"block_size": 8, "context": int(prompt.shape[1]), "eagle3_step_ms": round(step * 1e3, 3),
@@ -241,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--calib-tokens", type=int, default=48, help="new tokens per calibration prompt")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--no-self", action="store_true", help="skip the self-speculative rows (slow on a CPU)")
+    ap.add_argument("--draft-dtype", choices=("auto", "target", "bfloat16"), default="auto",
+                    help="the dtype the heads draft in (eval.draft_dtype)")
     ap.add_argument("--block-vs-step", action="store_true",
                     help="only the row of one DFlash block pass (B = 8) against one EAGLE-3 draft step")
     args = ap.parse_args(argv)
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [encode(tok, t) for _, t in texts]
     calib_prompts = [encode(tok, t) for _, t in prompt_texts(2, offset=40)]
     with torch.inference_mode():
-        block_row = block_pass_vs_step(model, io, prompts[0])
+        block_row = block_pass_vs_step(model, io, prompts[0], draft_dtype=args.draft_dtype)
     print(f"one DFlash block pass (B = 8) vs one EAGLE-3 draft step at context {block_row['context']}: "
           f"{block_row['dflash_block_ms']:.2f} ms vs {block_row['eagle3_step_ms']:.2f} ms = {block_row['ratio']:.2f}x; "
           f"3 drafted tokens, the shipped DSpark-layout head vs EAGLE-3: {block_row['dspark_draft3_ms']:.2f} ms vs "
@@ -284,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
             from heads.base import load_head
 
             head, cfg, _ = load_head(args.head, io)
+            place_head(head, torch.device("cpu"), torch.float32, args.draft_dtype)
             base = f"head_{cfg.family}"
             # eval.tree "auto": the family's default drafter (k only shapes a Medusa chain, unused here)
             make = registry.get(cfg.family).drafter_factory(head, io, "auto", 4)

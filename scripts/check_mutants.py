@@ -352,6 +352,16 @@ MUTANTS: list[Mutant] = [
     Mutant("dflash_markov_chain_fed_a_stale_token", "heads/dflash/drafting.py",
            "            prev = tree.tokens\n", "",
            ("tests/test_dflash.py", "-k", "markov_chain")),
+    # --- eval.draft_dtype (eval.costs.place_head)
+    # auto keeps bfloat16 whatever the timing says: a CPU without native bfloat16 would draft slower
+    Mutant("auto_draft_dtype_ignores_the_timing", "eval/costs.py",
+           "dtype = torch.bfloat16 if half < (1 - AUTO_DTYPE_MARGIN) * full else target_dtype",
+           "dtype = torch.bfloat16",
+           ("tests/test_eval.py", "-k", "place_head")),
+    # EAGLE-1's logits through the target's lm_head in the head's dtype: a bfloat16 head cannot draft
+    Mutant("eagle1_logits_in_the_heads_dtype", "heads/eagle/model.py",
+           "return target.lm_head(o.to(target.lm_head.weight.dtype))", "return target.lm_head(o)",
+           ("tests/test_heads.py", "-k", "bfloat16")),
 ]
 
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 import time
@@ -20,7 +21,7 @@ from data.config import load_config
 from data.kvcache import DynamicKV
 from data.tokenize import left_pad
 from eval.batch import BatchRun, Method, batched_generate, interleave_batches, sweep
-from eval.costs import DraftCost, VerifyCost
+from eval.costs import DraftCost, VerifyCost, place_head
 from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter
 from eval.policy import AdaptivePolicy, LoadAware
 from heads import registry
@@ -170,15 +171,19 @@ def family_heads(tiny_target):
             for name in registry.names()}
 
 
+@pytest.mark.parametrize("draft_dtype", ["target", "bfloat16"])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["head", "head+ngram"])
 @pytest.mark.parametrize("family", registry.names())
-def test_batched_heads_of_every_family_are_greedy_identical(tiny_target, family_heads, family, hybrid):
-    """A head's drafter per row, fed its row's captured features; with the n-gram merged in, trees per row."""
+def test_batched_heads_of_every_family_are_greedy_identical(tiny_target, family_heads, family, hybrid, draft_dtype):
+    """A head's drafter per row, fed its row's captured features; with the n-gram merged in, trees per row; the
+    head drafting in the target's dtype or in bfloat16 (eval.draft_dtype)."""
     model, tok, io = tiny_target
     prompts = _prompts(tok, 3) + [_prompts(tok, 4)[3] * 2]  # ragged prompt lengths; a repetitive row for the n-gram
     n = 14
     plain, _ = _refs(model, tok, prompts, n)
-    make = registry.get(family).drafter_factory(family_heads[family], io, "auto", 2)
+    head = copy.deepcopy(family_heads[family])
+    place_head(head, torch.device("cpu"), torch.float32, draft_dtype)
+    make = registry.get(family).drafter_factory(head, io, "auto", 2)
     drafter = (lambda: HybridDrafter(make())) if hybrid else make
     spec = batched_generate(model, prompts, n, tok.pad_token_id, k=2, make_drafter=drafter)
     assert torch.equal(spec.tokens, plain.tokens)

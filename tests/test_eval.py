@@ -94,6 +94,7 @@ def test_evaluate_head_writes_report(tmp_path, tiny_target, monkeypatch):
     t1 = b["by_temperature"]["1"]
     assert t1["identical"] is None and "hf_prompt_lookup" not in t1["baselines"]
     assert report["family"] == "eagle3" and b["turns"] == 2  # one MT-bench question, two turns
+    assert saved["draft_dtype"] == "float32"  # eval.draft_dtype auto: a tiny head drafts in the target's dtype
     # Turn 2's prompt is turn 1's prompt + the target's own plain answer + the second question.
     first_answer = tok.decode(answers[0].tolist(), skip_special_tokens=True)
     second_prompt = tok.decode(prompts[1].tolist())
@@ -110,10 +111,12 @@ def test_evaluate_head_writes_report(tmp_path, tiny_target, monkeypatch):
 def test_hybrid_eval_runs_the_head_alone_beside_it_and_reports_the_policy(tmp_path, tiny_target):
     folder = _head(tmp_path, tiny_target, "head")
     out = tmp_path / "ev"
-    report = run.evaluate(folder, _cfg(bench=["humaneval"], max_new_tokens=16, num_draft_tokens=None), out,
+    report = run.evaluate(folder, _cfg(bench=["humaneval"], max_new_tokens=16, num_draft_tokens=None,
+                                       draft_dtype="bfloat16"), out,
                           TargetConfig(name_or_path="tiny-random-llama"), drafter="head+ngram", loaded=tiny_target,
                           sweep_new_tokens=4, log=lambda s: None)
     assert report["drafter"] == "eagle3+ngram" and report["policy"] == "adaptive"
+    assert report["draft_dtype"] == "bfloat16"  # the head drafts in bfloat16; the outputs below stay identical
     assert report["methods"] == ["plain", "eagle3+ngram", "eagle3", "ngram", "hf_prompt_lookup"]
     b = report["benchmarks"]["humaneval"]
     assert b["identical"] is True and b["baselines"]["eagle3"]["identical"] is True
@@ -125,6 +128,47 @@ def test_hybrid_eval_runs_the_head_alone_beside_it_and_reports_the_policy(tmp_pa
     assert report["costs"]["ngram_calibration"]["chosen_k"] == report["ngram_k"] >= 1
     md = (out / "report.md").read_text()
     assert "## Drafting policy" in md and "| humaneval | eagle3+ngram | all |" in md and "| humaneval | eagle3 |" in md
+    assert ", drafting in bfloat16," in md
+
+
+def _matrices(n_params: int) -> torch.nn.Module:
+    """A stand-in head: one bias-free matrix of about n_params weights (place_head looks at nn.Linear only)."""
+    side = int(n_params ** 0.5) + 1
+    return torch.nn.Sequential(torch.nn.Linear(side, side, bias=False))
+
+
+@pytest.mark.parametrize(("choice", "target", "n_params", "bf16_share", "timed", "want"), [
+    ("auto", torch.float32, 2_000_000, 0.5, True, torch.bfloat16),  # half the time in bfloat16: kept
+    ("auto", torch.float32, 2_000_000, 0.95, True, torch.float32),  # 5% faster is inside the timing's noise
+    ("auto", torch.float32, 2_000_000, 1.3, True, torch.float32),  # a CPU without native bfloat16
+    ("auto", torch.float32, 10_000, 0.5, False, torch.float32),  # a tiny head: untimed, the target's dtype
+    ("auto", torch.bfloat16, 2_000_000, 0.5, False, torch.bfloat16),  # already a bfloat16 target
+    ("target", torch.float32, 2_000_000, 0.5, False, torch.float32),
+    ("bfloat16", torch.float32, 10_000, 1.3, False, torch.bfloat16),  # asked for: no timing, no size floor
+])
+def test_place_head_drafts_in_the_dtype_eval_draft_dtype_chooses(choice, target, n_params, bf16_share, timed, want):
+    from eval.costs import place_head
+
+    head, calls, lines = _matrices(n_params), [], []
+
+    def timer(h, dtype):
+        calls.append(dtype)
+        assert h is head and h.training is head.training  # times the head as placed, leaves it alone
+        return 0.002 * (bf16_share if dtype == torch.bfloat16 else 1.0)
+
+    got = place_head(head, torch.device("cpu"), target, choice, lines.append, timer)
+    assert got == want and {p.dtype for p in head.parameters()} == {want}
+    assert calls == ([torch.float32, torch.bfloat16] if timed else [])
+    assert len(lines) == int(timed)
+    if timed:
+        assert lines[0].startswith(f"eval.draft_dtype auto: {str(want)[6:]} (") and "float32 2.00 ms" in lines[0]
+
+
+def test_place_head_refuses_an_unknown_dtype():
+    from eval.costs import place_head
+
+    with pytest.raises(ValueError, match="eval.draft_dtype must be auto, target or bfloat16, got 'float16'"):
+        place_head(_matrices(100), torch.device("cpu"), torch.float32, "float16")
 
 
 def test_ngram_cli_on_a_question_file(tmp_path, capsys):

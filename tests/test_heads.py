@@ -8,6 +8,7 @@ re-exporting.
 
 from __future__ import annotations
 
+import copy
 import typing
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from drafters_common import hf_greedy
 from transformers import DynamicCache
 
 from data.config import EvalConfig, load_config
+from eval.costs import place_head
 from eval.decoder import speculative_generate
 from heads import eagle, medusa, mtp, registry
 from heads.base import HeadError
@@ -69,6 +71,21 @@ def test_greedy_decoding_with_every_family_and_tree_is_the_targets(tiny_target, 
     make = registry.get(family).drafter_factory(heads[family], io, tree, 2)
     out, _ = speculative_generate(model, ids, make(), k=2, max_new_tokens=12, eos_token_id=eos)
     assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decoding_with_every_family_drafting_in_bfloat16_is_the_targets(tiny_target, heads, family):
+    """eval.draft_dtype bfloat16 on the float32 target: each family's drafter casts the target's features and
+    embeddings to its head's dtype, drafts, and the output is still model.generate's greedy text."""
+    model, _, io = tiny_target
+    head = copy.deepcopy(heads[family])
+    assert place_head(head, torch.device("cpu"), torch.float32, "bfloat16") == torch.bfloat16
+    assert {p.dtype for p in head.parameters()} == {torch.bfloat16}
+    ids = torch.tensor([[1, 72, 101, 108, 108, 111]])
+    ref, eos = hf_greedy(model, ids, 12)
+    make = registry.get(family).drafter_factory(head, io, "auto", 2)
+    out, stats = speculative_generate(model, ids, make(), k=2, max_new_tokens=12, eos_token_id=eos)
+    assert out.tolist() == ref.tolist() and stats.drafted_tokens > 0
 
 
 def _options(d) -> tuple:

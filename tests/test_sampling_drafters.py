@@ -7,7 +7,8 @@ Drafters (each made close to the target, so drafts are often accepted AND often 
 gives a test power): EAGLE-3 chain and dynamic tree, Medusa (static top-k tree), MTP, a separate draft model
 (a perturbed copy of the target), self-speculative (the target's first layers), n-gram (on a prompt with
 repeats), the DFlash block drafter (trained briefly on the toy target, then sharpened) and its DSpark variant
-(every slot drafts, a strong Markov bias: later slots' q depend on the token drawn before). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
+(every slot drafts, a strong Markov bias: later slots' q depend on the token drawn before), and the EAGLE-3
+chain and DSpark heads again drafting in bfloat16 on the float32 target (eval.draft_dtype). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
 exact law by Pearson's chi-square (`drafters_common.chi_square`, cells with expected count < 5 pooled); the
 test fails when p < ALPHA = 0.01, so its false-alarm rate is <= 0.01.
 
@@ -37,6 +38,10 @@ lambda = stat - df, and the power P(noncentral chi-square(df, lambda) > critical
     dflash        1.3  26  31.8 |  96.3  0.999                 | n/a
     dspark        0.7  23  24.1 | 129.0  1.000                 | n/a
     dspark        1.3  26  22.5 | 114.7  1.000                 | n/a
+    eagle_chain_bf16 0.7 23 25.4 | 246.2  1.000                 | n/a
+    eagle_chain_bf16 1.3 26 23.2 | 154.4  1.000                 | n/a
+    dspark_bf16   0.7  23  26.1 | 128.2  1.000                 | n/a
+    dspark_bf16   1.3  26  25.7 | 109.4  1.000                 | n/a
 
 (With only deterministic drafts the two biased rules coincide.) A drafter reporting a q that is not the law
 it sampled from (softmax(l) for a draw from softmax(l / T)) and verify rows built without top-p are planted by
@@ -57,6 +62,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import eval.decoder as decoder
 from data.features import forward_features, greedy_ids
 from data.target import target_io
+from eval.costs import place_head
 from eval.drafters import ModelDrafter, NgramDrafter, self_speculative_drafter
 from heads import dflash, eagle, medusa, mtp
 
@@ -68,7 +74,8 @@ ALPHA = 0.01
 # passes both accept and reject often, and a wrong rejection rule shows (see the power table).
 SHARP = 4.0
 PROMPT = [1, 5, 3, 9, 1, 5, 3, 9, 1]
-DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram", "dflash", "dspark"]
+DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram", "dflash", "dspark",
+            "eagle_chain_bf16", "dspark_bf16"]
 TEMPERATURES = [0.7, 1.3]
 
 
@@ -123,6 +130,11 @@ def build_toy():
 
     dfl = _trained_dflash(model, io)
     dsp = _trained_dflash(model, io, sample_from_anchor=True, markov_rank=4)
+    # The same heads drafting in bfloat16 on the float32 target (eval.draft_dtype): q is computed from
+    # bfloat16 logits, and must still be the law each token was drawn from.
+    e3_bf16, dsp_bf16 = copy.deepcopy(e3), copy.deepcopy(dsp)
+    for h in (e3_bf16, dsp_bf16):
+        place_head(h, torch.device("cpu"), torch.float32, "bfloat16")
 
     def gen(seed: int) -> torch.Generator:
         return torch.Generator().manual_seed(seed)
@@ -137,6 +149,8 @@ def build_toy():
         "ngram": lambda i: NgramDrafter(),
         "dflash": lambda i: dflash.drafter(dfl, io, generator=gen(10_000 + i)),
         "dspark": lambda i: dflash.drafter(dsp, io, generator=gen(10_000 + i)),
+        "eagle_chain_bf16": lambda i: eagle.drafter(e3_bf16, io, generator=gen(10_000 + i)),
+        "dspark_bf16": lambda i: dflash.drafter(dsp_bf16, io, generator=gen(10_000 + i)),
     }
     return model, io, makers
 
@@ -200,7 +214,8 @@ def test_speculative_sampling_is_exact_on_the_static_cache(toy, name):
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize("name", ["eagle_chain", "mtp", "draft_model", "self_spec", "dflash", "dspark"])
+@pytest.mark.parametrize("name", ["eagle_chain", "mtp", "draft_model", "self_spec", "dflash", "dspark",
+                                  "eagle_chain_bf16", "dspark_bf16"])
 def test_drafted_tokens_follow_the_reported_q(toy, name, temperature):
     """A chain drafter's first token is drawn from exactly the q it hands the verifier (min(1, p/q) needs it).
 

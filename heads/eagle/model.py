@@ -204,7 +204,8 @@ class Eagle1Head(_EagleHead):
         return q, k, v, h
 
     def logits(self, o: torch.Tensor, target: TargetIO) -> torch.Tensor:
-        return target.lm_head(o)
+        # the target's own lm_head, in the target's dtype (the head may draft in another: eval.draft_dtype)
+        return target.lm_head(o.to(target.lm_head.weight.dtype))
 
 
 class Eagle3Head(_EagleHead):
