@@ -1,6 +1,6 @@
 """What every head family shares, for every family of heads.registry: what a Family declares (config, tiny
 config, trees, entry script), drafter_factory's eval.tree mapping, greedy decoding identical to the target's
-with each mapped tree; the drafters' KV cache helpers (heads.cache), and the names heads.base keeps
+with each mapped tree and with the head drafting in bfloat16 (eval.draft_dtype); the drafters' KV cache helpers (heads.cache), and the names heads.base keeps
 re-exporting.
 
     .venv/bin/python -m pytest -q tests/test_heads.py
