@@ -26,6 +26,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data.config import EvalConfig
 from data.kvcache import DynamicKV, KVCache, new_kv, timed_pass
 from eval.decoder import GenerationStats, speculative_generate
 from heads.base import Drafter
@@ -43,6 +45,7 @@ DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
 # matrices (a tiny head's draft costs little either way: untimed, it drafts in the target's dtype).
 AUTO_DTYPE_MARGIN = 0.10
 AUTO_DTYPE_MIN_PARAMS = 1_000_000
+DRAFT_DTYPES: tuple[str, ...] = typing.get_args(typing.get_type_hints(EvalConfig)["draft_dtype"])  # auto, target, bfloat16
 
 
 def _stderr(line: str) -> None:
@@ -81,10 +84,11 @@ def place_head(head: nn.Module, device: torch.device, target_dtype: torch.dtype,
     logged), else the target's dtype; elsewhere (GPUs, a bfloat16 target, a head with fewer than
     AUTO_DTYPE_MIN_PARAMS in its matrices) the target's dtype, untimed. Exactness does not depend on it: the
     drafter reports the q it drew from, in whatever dtype it computed it."""
-    if choice not in ("auto", "target", "bfloat16"):
-        raise ValueError(f"eval.draft_dtype must be auto, target or bfloat16, got {choice!r}")
+    if choice not in DRAFT_DTYPES:
+        raise ValueError(f"eval.draft_dtype must be {', '.join(DRAFT_DTYPES[:-1])} or {DRAFT_DTYPES[-1]}, got {choice!r}")
     dtype = torch.bfloat16 if choice == "bfloat16" else target_dtype
-    head.to(device=device, dtype=target_dtype)
+    # one cast, from the weights as loaded (the timer copies them): never through the target's dtype first
+    head.to(device=device)
     mats = sum(m.weight.numel() for m in head.modules() if isinstance(m, nn.Linear))
     if choice == "auto" and device.type == "cpu" and target_dtype == torch.float32 and mats >= AUTO_DTYPE_MIN_PARAMS:
         full, half = timer(head, torch.float32), timer(head, torch.bfloat16)

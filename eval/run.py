@@ -135,12 +135,11 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
     (eval.draft_dtype); the methods to run."""
     model, tok, io = loaded if loaded is not None else load_target(target_cfg, decode=True, verify=True)
     device = next(model.parameters()).device
-    head = head_cfg = None
-    dtype = next(model.parameters()).dtype
+    head = head_cfg = drafts_in = None
     if head_dir is not None:
         head, head_cfg, _ = load_head(head_dir, io)  # refuses another target's head, naming why
         # the head casts the target's features and embeddings to its own dtype (each family's drafter)
-        dtype = place_head(head, device, dtype, draft_dtype, log)
+        drafts_in = dtype_name(place_head(head, device, next(model.parameters()).dtype, draft_dtype, log))
     hybrid = drafter == "head+ngram"
     name = head_cfg.family if head_cfg is not None else "head"
     main = "ngram" if drafter == "ngram" else f"{name}+ngram" if hybrid else name
@@ -151,7 +150,7 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
         return NgramDrafter if drafter == "ngram" else registry.get(head_cfg.family).drafter_factory(head, io, tree, k)
 
     target = Target(model, tok, io, device, eos_ids(model, tok))
-    return target, Subject(drafter, head_cfg, main, methods, factory, dtype_name(dtype) if head is not None else None)
+    return target, Subject(drafter, head_cfg, main, methods, factory, drafts_in)
 
 
 def _plan_line(target_cfg: TargetConfig, subject: Subject, costs: Costs, cfg_eval: EvalConfig,

@@ -51,7 +51,7 @@ from data.kvcache import timed_pass  # noqa: E402
 from data.regenerate import render_rows  # noqa: E402
 from data.target import load_target  # noqa: E402
 from eval.batch import BatchRun, interleave_batches  # noqa: E402
-from eval.costs import DraftCost, VerifyCost, context_cache, place_head  # noqa: E402
+from eval.costs import DRAFT_DTYPES, DraftCost, VerifyCost, context_cache, place_head  # noqa: E402
 from eval.decoder import interleave, plain_steps, speculative_steps  # noqa: E402
 from eval.drafters import DeferredSync, HybridDrafter  # noqa: E402
 from eval.policy import AdaptivePolicy, LoadAware  # noqa: E402
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--json", type=Path, help="write the results here")
-    ap.add_argument("--draft-dtype", choices=("auto", "target", "bfloat16"), default="auto",
+    ap.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                     help="the dtype the head drafts in (eval.draft_dtype)")
     args = ap.parse_args(argv)
     try:

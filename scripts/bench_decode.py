@@ -55,6 +55,7 @@ from data.config import TargetConfig  # noqa: E402
 from data.regenerate import render_rows  # noqa: E402
 from data.target import TargetLoadError, load_target  # noqa: E402
 from eval.costs import (  # noqa: E402
+    DRAFT_DTYPES,
     VerifyCost,
     calibrate,
     choose_k,
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--calib-tokens", type=int, default=48, help="new tokens per calibration prompt")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--no-self", action="store_true", help="skip the self-speculative rows (slow on a CPU)")
-    ap.add_argument("--draft-dtype", choices=("auto", "target", "bfloat16"), default="auto",
+    ap.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                     help="the dtype the heads draft in (eval.draft_dtype)")
     ap.add_argument("--block-vs-step", action="store_true",
                     help="only the row of one DFlash block pass (B = 8) against one EAGLE-3 draft step")
