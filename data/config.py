@@ -314,6 +314,13 @@ class EvalConfig:
     # else in the target's dtype. A drafted token reads every head matrix once, so on a CPU drafting is bound
     # by memory traffic, which bfloat16 halves: the quickstart head's 3-token drafts took 30% less time.
     draft_dtype: Literal["auto", "target", "bfloat16"] = "auto"
+    # The target's KV cache in the single-stream runs and the verify curve (data.kvcache): dynamic
+    # (transformers' DynamicCache, eager) or static (preallocated; on CUDA every verify size is captured once
+    # as a CUDA graph and replayed). Each method keeps one static cache for the whole eval, so a size is
+    # captured once, not once per turn. On an H200 the static cache's graphs ran an 8B-shaped target 11.8x
+    # faster than eager (docs/results.md, "GPU"); on a CPU there are no graphs and it brings nothing. The batch
+    # sweep keeps its ragged dynamic cache (eval/batch.py).
+    cache: Literal["dynamic", "static"] = "dynamic"
     batch_sizes: list[Count] = field(default_factory=lambda: [1, 2, 4, 8, 16])
 
 

@@ -87,7 +87,8 @@ def measure_costs(target: Target, subject: Subject, cfg_eval: EvalConfig,
     """The verify curve T(n), the off-benchmark calibrations, and the draft lengths they choose."""
     first = next(iter(questions.values()))[0]
     context = int(prompt_ids(target.tok, [{"role": "user", "content": first.turns[0]}], target.device).shape[1])
-    verify = measure_verify_cost(target.model, context_len=context, ks=VERIFY_SIZES, repeats=5)
+    verify = measure_verify_cost(target.model, context_len=context, ks=VERIFY_SIZES, repeats=5,
+                                 cache=cfg_eval.cache)
     k = cfg_eval.num_draft_tokens  # checked (>= 1) with the request
     # Calibration: acceptance per depth at k = 8 and the draft cost line (fixed + per token), off-benchmark;
     # for a hybrid the head's (here) and the n-gram's (below) separately: the policy's prior per proposer.

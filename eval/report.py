@@ -82,6 +82,7 @@ def markdown(report: dict[str, Any]) -> str:
         + (f" sha256 `{report['head_sha256'][:16]}`" if report.get("head_sha256") else "")
         + (f", drafting in {report['draft_dtype']}" if report.get("draft_dtype") else "")
         + f", k = {report['k']} ({report['k_source']}), tree `{report.get('tree', 'chain')}`, "
+        f"{report.get('cache', 'dynamic')} KV cache, "
         f"max {report['max_new_tokens']} new tokens, device {report['machine']['device']}.",
         "",
         f"- tau = {report['tau_definition']}.",
@@ -417,6 +418,7 @@ def assemble_report(target_cfg: TargetConfig, head_dir: str | Path | None, subje
         else "eval.costs.choose_k: calibration acceptance and draft cost, measured verify curve",
         "tree": cfg_eval.tree,
         "policy": cfg_eval.policy,
+        "cache": cfg_eval.cache,
         "ngram_k": costs.k_ng,
         "tau_definition": TAU_DEFINITION,
         "speedup_definition": "speculative tokens/s over plain tokens/s of the same target on the same turns in "

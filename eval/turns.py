@@ -22,6 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from data.config import EvalConfig
+from data.kvcache import KVCache, new_kv
 from data.regenerate import render_rows
 from data.sampling import turn_seed
 from eval.bench import Question
@@ -111,10 +112,12 @@ class Turns:
     turn_index: int = 0  # turns run so far, over every temperature: who goes first rotates with it
     make_head: Callable[[], Drafter] = field(init=False)
     learned: LearnedVerifyCost = field(init=False)  # T(n) refined by every policy's timed passes, all run long
+    caches: dict[str, KVCache] = field(init=False)  # eval.cache static: each method's own, reused turn to turn
 
     def __post_init__(self) -> None:
         self.make_head = self.subject.factory(self.costs.k)
         self.learned = LearnedVerifyCost(self.costs.verify)
+        self.caches = {}
 
     def run(self, questions: dict[str, list[Question]]) -> list[tuple[str, Tally]]:
         """(temperature key, tally) per eval.temperature, in order."""
@@ -188,13 +191,27 @@ class Turns:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         common = dict(max_new_tokens=max_new, temperature=temp, eos_token_id=eos, generator=gen)
         if name == "plain":
-            return plain_steps(model, ids, **common)
+            return plain_steps(model, ids, cache=self.cache_for(name, None), **common)
         if name == "ngram":
-            return speculative_steps(model, ids, NgramDrafter(), costs.k_ng, policy=self.policy_for(name), **common)
+            ngram = NgramDrafter()
+            return speculative_steps(model, ids, ngram, costs.k_ng, policy=self.policy_for(name),
+                                     cache=self.cache_for(name, ngram.capture_layers), **common)
         # Under a policy the head's commits wait while it does not draft (DeferredSync).
         drafter = HybridDrafter(self.make_head()) if name == self.subject.main and self.subject.hybrid else \
             DeferredSync(self.make_head()) if self.cfg.policy == "adaptive" else self.make_head()
-        return speculative_steps(model, ids, drafter, costs.k, policy=self.policy_for(name), **common)
+        return speculative_steps(model, ids, drafter, costs.k, policy=self.policy_for(name),
+                                 cache=self.cache_for(name, drafter.capture_layers), **common)
+
+    def cache_for(self, name: str, capture: tuple[int, ...] | None) -> str | KVCache:
+        """The KV cache a method's turn runs on (eval.cache): "dynamic", a fresh cache per turn; static, the
+        method's own StaticKV, built on its first turn and emptied for each later one, so that on CUDA every
+        verify size is captured as a graph once per eval (methods run side by side, so each needs its own)."""
+        if self.cfg.cache == "dynamic":
+            return "dynamic"
+        if name not in self.caches:
+            # room is a hint: a longer turn grows the cache (doubling, graphs recaptured)
+            self.caches[name] = new_kv(self.target.model, "static", capture, room=1024)
+        return self.caches[name]
 
     def policy_for(self, name: str) -> AdaptivePolicy | None:
         """A fresh per-request policy for a method (None: fixed k); the n-gram baseline keeps its fixed k."""

@@ -37,6 +37,30 @@ def _cfg(**kw):
     return EvalConfig(**base)
 
 
+def test_static_cache_eval_builds_one_cache_per_method_and_stays_identical(tmp_path, tiny_target, monkeypatch):
+    """eval.cache static: every method (the hybrid's trees included) runs on its own StaticKV, built on its first
+    turn and reused on the next (on CUDA its graphs are captured once), and every greedy output equals plain."""
+    folder = _head(tmp_path, tiny_target, "head")
+    built: list[tuple[int, ...] | None] = []
+    real_new_kv = turns.new_kv
+
+    def spy(model, kind, capture=None, **kw):
+        built.append(capture)
+        return real_new_kv(model, kind, capture, **kw)
+
+    monkeypatch.setattr(turns, "new_kv", spy)
+    report = run.evaluate(folder, _cfg(max_new_tokens=12, cache="static"), tmp_path / "ev",
+                          TargetConfig(name_or_path="tiny-random-llama"), drafter="head+ngram", loaded=tiny_target,
+                          sweep_new_tokens=4, log=lambda s: None)
+    b = report["benchmarks"]["mt_bench"]
+    assert b["turns"] == 2 and b["identical"] is True
+    assert all(b["baselines"][m]["identical"] is True for m in ("eagle3", "ngram", "hf_prompt_lookup"))
+    # plain, the hybrid, the head alone and the n-gram: one cache each for both turns
+    head_layers = tuple(json.loads((folder / "config.json").read_text())["layer_ids"])
+    assert sorted(built, key=str) == sorted([None, head_layers, head_layers, None], key=str)
+    assert report["cache"] == "static" and "static KV cache" in (tmp_path / "ev" / "report.md").read_text()
+
+
 def test_head_for_another_target_is_refused(tmp_path, tiny_target, capsys):
     from data.target import load_target
 
