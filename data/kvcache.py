@@ -93,7 +93,11 @@ def _gather(layers: Sequence[Any], base: int, keep: Sequence[int]) -> None:
 
 
 class KVCache(Protocol):
-    """What the decoder and the draft model ask of a cache (see the module docstring)."""
+    """What the decoder and the draft model ask of a cache (see the module docstring).
+
+    The logits and features a `run` returns are valid until the next `run`: a static cache on CUDA replays its
+    graph into the same output buffers, so whoever keeps features for longer copies them (eval.drafters'
+    deferred commits do)."""
 
     length: int  # committed rows
 

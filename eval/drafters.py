@@ -229,7 +229,11 @@ class _FeatureLog:
     Python's garbage collector rescan the process's objects ever more often: measured 254 us per deferred
     commit after 2,000 of them against 46 us with the collector off (7 us for the append itself), which
     kept a drafting-off pass above a plain one; copying into a preallocated buffer instead costs two torch
-    slice copies per pass (66-155 us on the same loaded machine)."""
+    slice copies per pass (66-155 us on the same loaded machine).
+
+    Each pass's features are copied when logged (2.8 us a pass for the quickstart head's layers on one core):
+    they may be views of buffers the next pass overwrites, as a static cache's CUDA graph replays into the same
+    output tensors (data.kvcache.StaticKV), and a deferred commit reads them passes later."""
 
     CHUNK = 32
 
@@ -245,7 +249,7 @@ class _FeatureLog:
         return Features(last=torch.cat([f.last for f in feats], dim=1), aux=aux)
 
     def add(self, f: Features) -> None:
-        self.pending.append(f)
+        self.pending.append(Features(last=f.last.clone(), aux=None if f.aux is None else f.aux.clone()))
         if len(self.pending) >= self.CHUNK:
             self.chunks.append(self._join(self.pending))
             self.pending = []

@@ -281,6 +281,11 @@ MUTANTS: list[Mutant] = [
            "        self._begin, self._device = (prompt_ids, features, int(next_token)), prompt_ids.device",
            "        self._begin, self._device = None, prompt_ids.device\n        self.inner.begin(prompt_ids, features, next_token)",
            ("tests/test_batch.py", "-k", "never_calls_the_drafter")),
+    # deferred commits keep views of the pass's output buffers, which a CUDA graph's next replay overwrites
+    Mutant("deferred_log_keeps_views", "eval/drafters.py",
+           "        self.pending.append(Features(last=f.last.clone(), aux=None if f.aux is None else f.aux.clone()))",
+           "        self.pending.append(f)",
+           ("tests/test_batch.py", "-k", "buffers_are_reused")),
     # the single-stream policy keeps pricing drafts at the calibration's cost whatever they are seen to take
     Mutant("drafting_cost_never_learned", "eval/policy.py",
            "        return self.costs[source](nodes) * self.draft_scale(source) if nodes else 0.0",

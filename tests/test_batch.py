@@ -761,6 +761,38 @@ def test_deferred_commits_join_in_order_past_the_log_chunk():
     assert feats.aux[0, :, 0].tolist() == [float(-i) for i in range(70)]
 
 
+def test_deferred_commits_keep_their_features_when_the_pass_buffers_are_reused():
+    """A static cache on CUDA returns its graph's output buffers, which the next replay overwrites
+    (data.kvcache.StaticKV._replay): deferred commits must hand the drafter the features each pass HAD, not what
+    the buffer holds by the time it drafts again. Simulated on CPU: one buffer, refilled before every commit."""
+    from heads.base import Features
+
+    class Inner:
+        capture_layers = ()
+
+        def begin(self, *a):
+            self.calls = []
+
+        def commit_tokens(self, tokens, features, next_token):
+            self.calls.append((list(tokens), features.last.clone(), next_token))
+
+        def draft(self, k, temperature):
+            return DraftTree.chain(torch.tensor([1]))
+
+    inner = Inner()
+    d = DeferredSync(inner)
+    d.begin(torch.tensor([[1, 2]]), None, 3)
+    out = Features(last=torch.zeros(1, 1, 2), aux=torch.zeros(1, 1, 4))  # the graph's output buffers
+    for i in range(40):  # past one _FeatureLog chunk
+        out.last.fill_(float(i))  # the pass's replay writes its features into the same buffers
+        out.aux.fill_(float(-i))
+        d.commit([], out.index(slice(0, 1)), 100 + i)
+    out.last.fill_(-1.0)  # the next pass's replay, before the drafter catches up
+    d.draft(1, 0.0)
+    [(_, last, _)] = inner.calls
+    assert last[0, :, 0].tolist() == [float(i) for i in range(40)]
+
+
 def test_bench_batch_runs_on_the_tiny_target(tmp_path):
     """scripts/bench_batch.py end to end on the tiny target with a fresh head: the drafting-off runs draft
     nothing and match plain token for token; every row splits each pass into the forward and the rest."""
