@@ -472,7 +472,7 @@ def test_plain_turns_anchor_the_learned_single_token_cost(tiny_target):
     probe = VerifyCost({1: 10.0, 2: 10.0, 4: 10.0}, 64)  # a spell on the probe: 10 s a pass
     subject = SimpleNamespace(factory=lambda k: (lambda: None))
     turns = Turns(Target(model, tok, io, torch.device("cpu"), [tok.eos_token_id]), subject,
-                  SimpleNamespace(k=2, verify=probe), SimpleNamespace(max_new_tokens=6), 0, None)
+                  SimpleNamespace(k=2, verify=probe), SimpleNamespace(max_new_tokens=6, cache="dynamic"), 0, None)
     ids = prompt_ids(tok, [{"role": "user", "content": "Hello"}], torch.device("cpu"))
     _, st = turns.generate("plain", ids, 0.0, 0)
     mean = st.verify_time_s / st.target_passes
