@@ -23,8 +23,11 @@ own draft policy and its own GenerationStats. One pass:
 Greedy rows are therefore token-identical to plain decoding, and sampled rows keep plain sampling's law
 (the decoder's rule, row by row). Rows never stop at EOS (a throughput measurement, not a chat).
 
-The drafters draft per row, one after the other: the Drafter protocol is one request's state (its own head
-KV cache), so the head's passes are not batched across rows; only the target's verify pass is.
+A drafter is one request's state (its own head KV cache), so each row drafts through its own drafter; at a
+fixed k, rows whose head family drafts several requests at once (`draft_together` on the drafter's class:
+EAGLE-1/3 chains, heads.eagle.drafting) get their chains from one head pass per depth for the whole batch first.
+Commits, and the rows under a policy, stay one row after another. On a GPU, where a batched pass of the target
+costs about one row's, per-row head passes were what the fixed-k head lost under load (docs/results.md, "GPU").
 
 Load-aware drafting (eval.policy.LoadAware): each row's AdaptivePolicy prices a pass with the row's share of
 a batch pass, T(B, n) / B, from the cost surface T(B, n) measured before the sweep (eval.costs.
@@ -59,6 +62,7 @@ from eval.decoder import (
     record_verdict,
     speculative_generate,
 )
+from eval.drafters import DeferredSync, HybridDrafter
 from eval.policy import LoadAware
 from heads.base import Drafter, DraftTree, Features
 
@@ -266,12 +270,41 @@ def batched_generate(
                                 temperature, top_k, top_p, seed)])[0]
 
 
+def _head_drafter(drafter: Drafter) -> Any:
+    """The drafter that drafts a row's head tree: a hybrid's head, a DeferredSync's inner drafter (flushed
+    first, as its draft would), else the row's own."""
+    if isinstance(drafter, HybridDrafter):
+        drafter = drafter.head
+    if isinstance(drafter, DeferredSync):
+        drafter.flush()
+        drafter = drafter.inner
+    return drafter
+
+
+def _draft_together(active: list[_Row], k: int, budgets: list[int], temperature: float) -> None:
+    """Rows at a fixed k whose head drafters' family drafts several requests at once (a `draft_together` on
+    the drafter's class, heads.eagle's EagleDrafter) get their chains from one head pass per depth; each row's
+    own draft below then returns its chain. Per-row head passes were the batched decoder's cost on a GPU,
+    where a batched pass of the target costs about one row's (docs/results.md, "GPU")."""
+    groups: dict[Any, list[tuple[Any, int]]] = {}
+    for r, b in zip(active, budgets):
+        if r.drafter is not None and r.policy is None and min(k, b) > 0:
+            head = _head_drafter(r.drafter)
+            together = getattr(type(head), "draft_together", None)
+            if together is not None:
+                groups.setdefault(together, []).append((head, min(k, b)))
+    for together, rows in groups.items():
+        together([d for d, _ in rows], [n for _, n in rows], temperature)
+
+
 def _draft_all(active: list[_Row], k: int, temperature: float, load: LoadAware | None) -> None:
     """Every active row's draft for this pass (empty without a drafter); under `load`, the gated choices."""
     budgets = [r.max_new - len(r.out) - 1 for r in active]  # the pass itself adds one token (the decoder's rule)
     chosen: list[dict[str, int] | None] = [None] * len(active)
     if load is not None:
         chosen = list(load.choose([(r.drafter, r.policy) for r in active], budgets))
+    else:
+        _draft_together(active, k, budgets, temperature)
     for r, c, b in zip(active, chosen, budgets):
         r.tree = EMPTY if r.drafter is None else draft_pass(r.drafter, r.policy, k, b, temperature, r.stats, chosen=c)
 

@@ -190,6 +190,33 @@ def test_batched_heads_of_every_family_are_greedy_identical(tiny_target, family_
     assert spec.stats.drafted_tokens > 0
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["head", "head+ngram"])
+def test_fixed_k_rows_draft_their_eagle_chains_together(tiny_target, family_heads, hybrid, monkeypatch):
+    """At a fixed k the rows' EAGLE chains come from one head pass per depth for the whole batch
+    (EagleDrafter.draft_together), and the run is the run the rows drafting one after another make: the same
+    tokens, passes and acceptance (the chains themselves: tests/test_eagle.py), with k - 1 head passes a pass
+    instead of B (k - 1)."""
+    from heads.eagle import EagleDrafter
+
+    model, tok, io = tiny_target
+    prompts = _prompts(tok, 3) + [_prompts(tok, 4)[3] * 2]
+    head = copy.deepcopy(family_heads["eagle3"])
+    make = registry.get("eagle3").drafter_factory(head, io, "chain", 3)
+    drafter = (lambda: HybridDrafter(make())) if hybrid else make
+    rows = []
+    real_rows = type(head).rows
+    monkeypatch.setattr(type(head), "rows", lambda self, emb, *a: rows.append(emb.shape[0]) or real_rows(self, emb, *a))
+    together = batched_generate(model, prompts, 14, tok.pad_token_id, k=3, make_drafter=drafter)
+    batched_passes = sum(1 for b in rows if b > 1)
+    rows.clear()
+    monkeypatch.setattr(EagleDrafter, "draft_together", None)
+    alone = batched_generate(model, prompts, 14, tok.pad_token_id, k=3, make_drafter=drafter)
+    assert torch.equal(together.tokens, alone.tokens) and together.passes == alone.passes
+    assert together.stats.drafted_tokens == alone.stats.drafted_tokens > 0
+    assert together.stats.accepted_per_position == alone.stats.accepted_per_position
+    assert batched_passes > 0 and not any(b > 1 for b in rows)  # alone: every head pass is one request's
+
+
 def _policy(sources=("draft",), prior=0.9):
     verify = VerifyCost({1: 0.05, 2: 0.055, 4: 0.06, 8: 0.07, 16: 0.09}, context_len=64)
     return AdaptivePolicy(verify, {s: DraftCost(0.0005, 0.0002) for s in sources}, {s: [prior] * 4 for s in sources})

@@ -232,6 +232,45 @@ def test_commit_rolls_back_to_the_accepted_path(tiny_target):
     assert torch.allclose(a.cache.layers[0].keys, b.cache.layers[0].keys, atol=1e-5) and torch.allclose(a.last_logits, b.last_logits, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafting_together_equals_each_requests_own_draft(tiny_target, family, temperature):
+    """EagleDrafter.draft_together (the batched decoder's rows, one head pass per depth): requests with
+    committed rows of different lengths and different draft lengths get the chain their own draft makes,
+    sampled ones from their own generator with the same q, and their own state is left as it was."""
+    model, _, io = tiny_target
+    if family == "eagle3":
+        _, head = _eagle3(io)
+    else:
+        torch.manual_seed(0)
+        head = eagle.build(eagle.Eagle1Config(), io)
+    head.eval()
+    torch.manual_seed(1)
+    ids = torch.randint(0, io.vocab_size, (1, 16))
+    feats, _ = forward_features(model, ids, None, head.layer_ids)
+
+    def begun(n: int, seed: int):
+        d = eagle.drafter(head, io, generator=torch.Generator().manual_seed(seed))
+        d.begin(ids[:, :n], feats.slice(0, n), int(ids[0, n]))
+        return d
+
+    lengths, ks = [5, 11, 8, 3], [3, 1, 4, 0]
+    alone = [begun(n, 10 + i) for i, n in enumerate(lengths)]
+    together = [begun(n, 10 + i) for i, n in enumerate(lengths)]
+    eagle.EagleDrafter.draft_together(together, ks, temperature)
+    for a, t, k in zip(alone, together, ks):
+        want, got = a.draft(k, temperature), t.draft(k, temperature)
+        assert got.tokens.tolist() == want.tokens.tolist() and len(got) == k
+        assert (got.probs is None) == (want.probs is None)
+        if want.probs is not None:
+            assert torch.allclose(got.probs, want.probs, atol=1e-5)
+        assert t.tree_tokens == a.tree_tokens and t.n == a.n
+        assert torch.equal(t.cache.layers[0].keys, a.cache.layers[0].keys)
+    # a chain made together is for the draft it was made for: another length drafts on its own
+    eagle.EagleDrafter.draft_together(together, [2, 2, 2, 2], temperature)
+    assert len(together[0].draft(1, temperature)) == 1 and together[0].ready is None
+
+
 def test_dynamic_tree_is_topological_and_ancestor_closed(tiny_target):
     model, _, io = tiny_target
     _, head = _eagle3(io)

@@ -6,6 +6,9 @@
 The head's own KV cache (transformers' DynamicCache, see heads.cache) holds the committed rows; draft rows are
 appended while drafting and cropped away at the end of `draft`, and `commit` recomputes the accepted rows from
 the target's real features (the rollback). The EAGLE-2 tree grows as a pool of `Candidate` nodes.
+`EagleDrafter.draft_together(drafters, ks, temperature)` drafts the chains of several requests (the batched
+decoder's rows) in one head pass per depth: each request's committed keys padded to the longest and masked, its
+draft rows batched; each drafter's next `draft` returns its chain.
 
 Tests: `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_sampling_drafters.py -k eagle`.
 """
@@ -113,6 +116,7 @@ class EagleDrafter:
         self.last_o: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None
         self.tree_tokens: list[int] = []
+        self.ready: tuple[int, float, DraftTree] | None = None  # (k, temperature, chain) from draft_together
 
     # -- rows
     def _rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -151,7 +155,7 @@ class EagleDrafter:
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
         self.cache = DynamicCache()
         self.n = 0
-        self.tree_tokens = []
+        self.tree_tokens, self.ready = [], None
         ids = prompt_ids.reshape(-1).tolist()
         self._extend(ids[1:] + [int(next_token)], features)
 
@@ -161,7 +165,7 @@ class EagleDrafter:
     @torch.no_grad()
     def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
         # Draft rows are never kept, so any path is committed alike: its rows come from the target's features.
-        self.tree_tokens = []
+        self.tree_tokens, self.ready = [], None
         self._extend([int(t) for t in tokens] + [int(next_token)], features)
 
     @torch.no_grad()
@@ -169,6 +173,10 @@ class EagleDrafter:
         if self.last_logits is None:
             raise RuntimeError("EAGLE drafter: draft() before begin()")
         depth = min(k, self.depth) if self.depth else k
+        ready, self.ready = self.ready, None
+        if ready is not None and ready[:2] == (depth, temperature):
+            self.tree_tokens = ready[2].tokens.tolist()
+            return ready[2]
         if depth <= 0:
             self.tree_tokens = []
             return DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.device))
@@ -200,6 +208,56 @@ class EagleDrafter:
         self.tree_tokens = tokens
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return DraftTree.chain(t, torch.stack(probs) if probs else None)
+
+    @staticmethod
+    @torch.no_grad()
+    def draft_together(drafters: list[EagleDrafter], ks: list[int], temperature: float) -> None:
+        """Draft the chains of several requests at once (the batched decoder's rows: eval.batch), one head pass
+        per depth for all of them; drafter i's next draft(ks[i], temperature) returns its chain, the one its
+        own draft would make (the same rows, positions and keys: each request attends to its own committed
+        rows, padded to the longest and masked, and to its own draft rows). Dynamic trees, a depth cap that
+        binds, or a drafter not begun are left to their own draft."""
+        rows = [(d, k) for d, k in zip(drafters, ks) if k > 0 and d.tree == "chain" and d.last_logits is not None
+                and not (d.depth and d.depth < k)]
+        if len(rows) < 2:
+            return
+        first = rows[0][0]
+        head, target, dev, depth = first.head, first.target, first.device, max(k for _, k in rows)
+        b, longest = len(rows), max(d.n for d, _ in rows)
+        layer = [d.cache.layers[0] for d, _ in rows]
+        keys = torch.zeros(b, *layer[0].keys.shape[1:2], longest, layer[0].keys.shape[-1], dtype=layer[0].keys.dtype,
+                           device=dev)
+        vals = torch.zeros_like(keys)
+        seen = torch.zeros(b, longest, dtype=torch.bool, device=dev)  # a row's own committed keys
+        for i, (d, _) in enumerate(rows):
+            keys[i, :, :d.n], vals[i, :, :d.n], seen[i, :d.n] = layer[i].keys[0], layer[i].values[0], True
+        n = torch.tensor([d.n for d, _ in rows], device=dev)
+        tokens: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        logits = [d.last_logits for d, _ in rows]
+        hidden = torch.cat([d.last_o for d, _ in rows])  # [b, 1, H]
+        emb_dev = next(target.embed.parameters()).device
+        for j in range(depth):
+            for i, (d, k) in enumerate(rows):
+                if j >= k:  # this request's chain is complete (its generator draws no more than its own draft's)
+                    continue
+                tok_h, q = draft_token(logits[i], temperature, d.generator)
+                tokens[i].append(int(head.to_target_ids(torch.tensor(tok_h, device=dev))))
+                if q is not None:
+                    probs[i].append(head.to_target_probs(q, target.vocab_size))
+            if j == depth - 1:
+                break
+            # d_{j+1} of every request at its own position n-1+(j+1), one head row each
+            emb = target.embed(torch.tensor([[t[-1]] for t in tokens], device=emb_dev)).to(dev)
+            cos, sin = rotary(target, hidden, (n + j)[:, None])
+            q, k, v, resid = head.rows(emb, hidden, cos, sin)
+            keys, vals = torch.cat([keys, k], dim=2), torch.cat([vals, v], dim=2)
+            seen = torch.cat([seen, torch.ones(b, 1, dtype=torch.bool, device=dev)], dim=1)
+            hidden = head.layer.finish(masked_attention(q, keys, vals, seen[:, None, None, :]), resid)
+            logits = list(head.logits(hidden, target).float()[:, 0])
+        for i, (d, k) in enumerate(rows):
+            t = torch.tensor(tokens[i], dtype=torch.long, device=dev)
+            d.ready = (k, temperature, DraftTree.chain(t, torch.stack(probs[i]) if probs[i] else None))
 
     def _draft_dynamic(self, depth: int, temperature: float) -> DraftTree:
         pool = CandidatePool(min(self.top_k, self.last_logits.numel()), temperature)
