@@ -266,6 +266,19 @@ def test_drafting_together_equals_each_requests_own_draft(tiny_target, family, t
             assert torch.allclose(got.probs, want.probs, atol=1e-5)
         assert t.tree_tokens == a.tree_tokens and t.n == a.n
         assert torch.equal(t.cache.layers[0].keys, a.cache.layers[0].keys)
+    # requests of two heads in one call: each drafted with its own head
+    other = copy.deepcopy(head)
+    with torch.no_grad():
+        for w in other.parameters():
+            w.add_(0.5 * torch.randn_like(w))
+    mixed = [begun(5, 1), begun(9, 2)]
+    mixed[1].head = other
+    mixed[1].begin(ids[:, :9], feats.slice(0, 9), int(ids[0, 9]))
+    solo = eagle.drafter(other, io, generator=torch.Generator().manual_seed(2))
+    solo.begin(ids[:, :9], feats.slice(0, 9), int(ids[0, 9]))
+    eagle.EagleDrafter.draft_together([*mixed, begun(7, 3)], [3, 3, 3], temperature)
+    assert mixed[1].ready is None  # the only request of its head: left to its own draft
+    assert mixed[1].draft(3, temperature).tokens.tolist() == solo.draft(3, temperature).tokens.tolist()
     # a chain made together is for the draft it was made for: another length drafts on its own
     eagle.EagleDrafter.draft_together(together, [2, 2, 2, 2], temperature)
     assert len(together[0].draft(1, temperature)) == 1 and together[0].ready is None

@@ -215,12 +215,19 @@ class EagleDrafter:
         """Draft the chains of several requests at once (the batched decoder's rows: eval.batch), one head pass
         per depth for all of them; drafter i's next draft(ks[i], temperature) returns its chain, the one its
         own draft would make (the same rows, positions and keys: each request attends to its own committed
-        rows, padded to the longest and masked, and to its own draft rows). Dynamic trees, a depth cap that
-        binds, or a drafter not begun are left to their own draft."""
-        rows = [(d, k) for d, k in zip(drafters, ks) if k > 0 and d.tree == "chain" and d.last_logits is not None
-                and not (d.depth and d.depth < k)]
-        if len(rows) < 2:
-            return
+        rows, padded to the longest and masked, and to its own draft rows). Requests are grouped by head; dynamic
+        trees, a depth cap that binds, or a drafter not begun are left to their own draft."""
+        by_head: dict[int, list[tuple[EagleDrafter, int]]] = {}
+        for d, k in zip(drafters, ks):
+            if k > 0 and d.tree == "chain" and d.last_logits is not None and not (d.depth and d.depth < k):
+                by_head.setdefault(id(d.head), []).append((d, k))
+        for rows in by_head.values():
+            if len(rows) > 1:
+                EagleDrafter._draft_rows(rows, temperature)
+
+    @staticmethod
+    def _draft_rows(rows: list[tuple[EagleDrafter, int]], temperature: float) -> None:
+        """draft_together for requests of one head: (drafter, k) each."""
         first = rows[0][0]
         head, target, dev, depth = first.head, first.target, first.device, max(k for _, k in rows)
         b, longest = len(rows), max(d.n for d, _ in rows)
