@@ -75,8 +75,9 @@ MUTANTS: list[Mutant] = [
            "pos = torch.tensor([self.n + c.depth for c in nodes])",
            ("tests/test_eagle.py", "-k", "chain_row_for_row")),
     Mutant("eagle_chain_reports_untempered_q", "heads/eagle/drafting.py",
-           "                probs.append(self.head.to_target_probs(q, vocab))",
-           "                probs.append(self.head.to_target_probs(torch.softmax(logits, dim=-1), vocab))",
+           "        return tok, None if q is None else self.head.to_target_probs(q, self.target.vocab_size)",
+           "        return tok, None if q is None else self.head.to_target_probs(torch.softmax(logits, dim=-1), "
+           "self.target.vocab_size)",
            ("tests/test_sampling_drafters.py", "-k", "reported_q and eagle_chain"), quick=True),
     Mutant("draft_model_reports_untempered_q", "eval/drafters.py",
            "                probs.append(q)",

@@ -134,6 +134,13 @@ class EagleDrafter:
     def _logits(self, o: torch.Tensor) -> torch.Tensor:
         return self.head.logits(o, self.target).float()
 
+    def _draw(self, logits: torch.Tensor, temperature: float) -> tuple[int, torch.Tensor | None]:
+        """One chain token from a logits row over the head's vocab, with this request's generator: (its target
+        id, q over the target's vocab, None when greedy)."""
+        tok_h, q = draft_token(logits, temperature, self.generator)
+        tok = int(self.head.to_target_ids(torch.tensor(tok_h, device=self.device)))
+        return tok, None if q is None else self.head.to_target_probs(q, self.target.vocab_size)
+
     def _extend(self, tokens: list[int], features: Features | None) -> None:
         m = len(tokens)
         if features is None or features.last.shape[1] != m:
@@ -188,16 +195,14 @@ class EagleDrafter:
             crop_to(self.cache, self.n)  # drop the draft rows: only committed rows stay
 
     def _draft_chain(self, k: int, temperature: float) -> DraftTree:
-        vocab = self.target.vocab_size
         logits, hidden = self.last_logits, self.last_o
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for j in range(k):
-            tok_h, q = draft_token(logits, temperature, self.generator)
-            tok = int(self.head.to_target_ids(torch.tensor(tok_h, device=self.device)))
+            tok, q = self._draw(logits, temperature)
             tokens.append(tok)
             if q is not None:
-                probs.append(self.head.to_target_probs(q, vocab))
+                probs.append(q)
             if j == k - 1:
                 break
             pos = torch.tensor([self.n + j])  # d_{j+1} sits at depth j+1, position n-1+(j+1)
@@ -248,10 +253,10 @@ class EagleDrafter:
             for i, (d, k) in enumerate(rows):
                 if j >= k:  # this request's chain is complete (its generator draws no more than its own draft's)
                     continue
-                tok_h, q = draft_token(logits[i], temperature, d.generator)
-                tokens[i].append(int(head.to_target_ids(torch.tensor(tok_h, device=dev))))
+                tok, q = d._draw(logits[i], temperature)
+                tokens[i].append(tok)
                 if q is not None:
-                    probs[i].append(head.to_target_probs(q, target.vocab_size))
+                    probs[i].append(q)
             if j == depth - 1:
                 break
             # d_{j+1} of every request at its own position n-1+(j+1), one head row each
@@ -261,7 +266,7 @@ class EagleDrafter:
             keys, vals = torch.cat([keys, k], dim=2), torch.cat([vals, v], dim=2)
             seen = torch.cat([seen, torch.ones(b, 1, dtype=torch.bool, device=dev)], dim=1)
             hidden = head.layer.finish(masked_attention(q, keys, vals, seen[:, None, None, :]), resid)
-            logits = list(head.logits(hidden, target).float()[:, 0])
+            logits = list(first._logits(hidden)[:, 0])
         for i, (d, k) in enumerate(rows):
             t = torch.tensor(tokens[i], dtype=torch.long, device=dev)
             d.ready = (k, temperature, DraftTree.chain(t, torch.stack(probs[i]) if probs[i] else None))
