@@ -25,9 +25,11 @@ Greedy rows are therefore token-identical to plain decoding, and sampled rows ke
 
 A drafter is one request's state (its own head KV cache), so each row drafts through its own drafter; at a
 fixed k, rows whose head family drafts several requests at once (`draft_together` on the drafter's class:
-EAGLE-1/3 chains, heads.eagle.drafting) get their chains from one head pass per depth for the whole batch first.
-Commits, and the rows under a policy, stay one row after another. On a GPU, where a batched pass of the target
-costs about one row's, per-row head passes were what the fixed-k head lost under load (docs/results.md, "GPU").
+EAGLE-1/3 chains, heads.eagle.drafting) get their chains from one head pass per depth for the whole batch first,
+and the head commits of every row (a policy's rows included) are held and run in one head pass at the end of
+the pass (`settle_together`). Only the drafts of rows under a policy stay one row after another. On a GPU,
+where a batched pass of the target costs about one row's, per-row head passes were what the fixed-k head lost
+under load (docs/results.md, "GPU").
 
 Load-aware drafting (eval.policy.LoadAware): each row's AdaptivePolicy prices a pass with the row's share of
 a batch pass, T(B, n) / B, from the cost surface T(B, n) measured before the sweep (eval.costs.
@@ -110,6 +112,7 @@ class _Row:
     out: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=lambda: GenerationStats(generations=1))
     tree: DraftTree | None = None
+    head: Any = None  # its head drafter when that holds its commits for a batched settle (_hold_commits)
 
 
 def _row_features(feats: Features | None, r: int, cols: torch.Tensor | slice) -> Features | None:
@@ -174,6 +177,7 @@ class BatchRun:
         for r in self.rows:
             if r.policy is not None:
                 r.policy.reset(k)
+        _hold_commits(self.rows)
         ids, mask = left_pad(prompts, pad_id)
         self.kv = DynamicKV(model, self.rows[0].drafter.capture_layers if speculative else None)
         self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
@@ -215,6 +219,8 @@ class BatchRun:
                     r.drafter.commit(v.accepted, _row_features(feats, i, v.columns(logits.device)), v.next_token)
             else:
                 finished.append(r)
+        # The held head commits of the rows that go on, one head pass per head for all of them
+        _settle_together([active[i].head for i in keep if active[i].head is not None])
         if load is not None:  # the whole pass, drafting and commits included: what the gate cannot price
             load.observe_cycle(len(active), emitted, time.perf_counter() - tc)
         if len(keep) < len(active):
@@ -270,15 +276,35 @@ def batched_generate(
                                 temperature, top_k, top_p, seed)])[0]
 
 
-def _head_drafter(drafter: Drafter) -> Any:
+def _head_drafter(drafter: Drafter, flush: bool = True) -> Any:
     """The drafter that drafts a row's head tree: a hybrid's head, a DeferredSync's inner drafter (flushed
-    first, as its draft would), else the row's own."""
+    first, as its draft would, unless flush is False), else the row's own."""
     if isinstance(drafter, HybridDrafter):
         drafter = drafter.head
     if isinstance(drafter, DeferredSync):
-        drafter.flush()
+        if flush:
+            drafter.flush()
         drafter = drafter.inner
     return drafter
+
+
+def _hold_commits(rows: list[_Row]) -> None:
+    """Rows whose head drafter's family runs several requests' commits at once (a `settle_together` on the
+    drafter's class, heads.eagle's EagleDrafter) get it as `head`, set to hold its commits for that."""
+    for r in rows:
+        head = None if r.drafter is None else _head_drafter(r.drafter, flush=False)
+        if getattr(type(head), "settle_together", None) is not None:
+            head.hold = True
+            r.head = head
+
+
+def _settle_together(heads: list[Any]) -> None:
+    """The held commits of these head drafters, one call per drafter class (one head pass per head)."""
+    groups: dict[Any, list[Any]] = {}
+    for h in heads:
+        groups.setdefault(type(h).settle_together, []).append(h)
+    for settle, hs in groups.items():
+        settle(hs)
 
 
 def _draft_together(active: list[_Row], k: int, budgets: list[int], temperature: float) -> None:

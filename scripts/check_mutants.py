@@ -74,6 +74,10 @@ MUTANTS: list[Mutant] = [
            "pos = torch.tensor([self.n - 1 + c.depth for c in nodes])",
            "pos = torch.tensor([self.n + c.depth for c in nodes])",
            ("tests/test_eagle.py", "-k", "chain_row_for_row")),
+    Mutant("eagle_settle_sees_padded_keys", "heads/eagle/drafting.py",
+           "mask[i, 0, :, :d.n] = layer[i].keys[0], layer[i].values[0], True",
+           "mask[i, 0, :, :longest] = layer[i].keys[0], layer[i].values[0], True",
+           ("tests/test_eagle.py", "-k", "settling_together")),
     Mutant("eagle_chain_reports_untempered_q", "heads/eagle/drafting.py",
            "        return tok, None if q is None else self.head.to_target_probs(q, self.target.vocab_size)",
            "        return tok, None if q is None else self.head.to_target_probs(torch.softmax(logits, dim=-1), "

@@ -193,9 +193,9 @@ def test_batched_heads_of_every_family_are_greedy_identical(tiny_target, family_
 @pytest.mark.parametrize("hybrid", [False, True], ids=["head", "head+ngram"])
 def test_fixed_k_rows_draft_their_eagle_chains_together(tiny_target, family_heads, hybrid, monkeypatch):
     """At a fixed k the rows' EAGLE chains come from one head pass per depth for the whole batch
-    (EagleDrafter.draft_together), and the run is the run the rows drafting one after another make: the same
-    tokens, passes and acceptance (the chains themselves: tests/test_eagle.py), with k - 1 head passes a pass
-    instead of B (k - 1)."""
+    (EagleDrafter.draft_together) and their commits from one more (settle_together), and the run is the run
+    the rows drafting and committing one after another make: the same tokens, passes and acceptance (the
+    chains and commits themselves: tests/test_eagle.py), with k head passes a pass instead of B k."""
     from heads.eagle import EagleDrafter
 
     model, tok, io = tiny_target
@@ -205,16 +205,22 @@ def test_fixed_k_rows_draft_their_eagle_chains_together(tiny_target, family_head
     drafter = (lambda: HybridDrafter(make())) if hybrid else make
     rows = []
     real_rows = type(head).rows
-    monkeypatch.setattr(type(head), "rows", lambda self, emb, *a: rows.append(emb.shape[0]) or real_rows(self, emb, *a))
+    monkeypatch.setattr(type(head), "rows", lambda self, emb, *a: rows.append(tuple(emb.shape[:2])) or real_rows(self, emb, *a))
     together = batched_generate(model, prompts, 14, tok.pad_token_id, k=3, make_drafter=drafter)
-    batched_passes = sum(1 for b in rows if b > 1)
+    passes = rows[len(prompts):]  # after each row's begin
+    alone_from = next((i for i, (b, _) in enumerate(passes) if b == 1), len(passes))
+    head_passes = len(rows)
     rows.clear()
     monkeypatch.setattr(EagleDrafter, "draft_together", None)
+    monkeypatch.setattr(EagleDrafter, "settle_together", None)
     alone = batched_generate(model, prompts, 14, tok.pad_token_id, k=3, make_drafter=drafter)
     assert torch.equal(together.tokens, alone.tokens) and together.passes == alone.passes
     assert together.stats.drafted_tokens == alone.stats.drafted_tokens > 0
     assert together.stats.accepted_per_position == alone.stats.accepted_per_position
-    assert batched_passes > 0 and not any(b > 1 for b in rows)  # alone: every head pass is one request's
+    assert not any(b > 1 for b, _ in rows)  # alone: every head pass is one request's
+    # together: after the begins every draft step and commit is one head pass for the batch, until the batch
+    # is down to its last row
+    assert alone_from > 0 and all(b == 1 for b, _ in passes[alone_from:]) and 2 * head_passes < len(rows)
 
 
 def _policy(sources=("draft",), prior=0.9):

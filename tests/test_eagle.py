@@ -284,6 +284,61 @@ def test_drafting_together_equals_each_requests_own_draft(tiny_target, family, t
     assert len(together[0].draft(1, temperature)) == 1 and together[0].ready is None
 
 
+@pytest.mark.parametrize("family", ["eagle3", "eagle1"])
+def test_settling_together_equals_each_requests_own_commit(tiny_target, family):
+    """EagleDrafter.settle_together (the batched decoder's held commits, one head pass per head): requests with
+    committed rows of different lengths and paths of different lengths end in the state their own commits
+    make (rows, keys, last logits, the next draft), a request of another head settles with its own head, and
+    a held commit is settled by the request's own next draft."""
+    model, _, io = tiny_target
+    if family == "eagle3":
+        _, head = _eagle3(io)
+    else:
+        torch.manual_seed(0)
+        head = eagle.build(eagle.Eagle1Config(), io)
+    head.eval()
+    torch.manual_seed(1)
+    ids = torch.randint(0, io.vocab_size, (1, 20))
+    feats, _ = forward_features(model, ids, None, head.layer_ids)
+    other = copy.deepcopy(head)
+    with torch.no_grad():
+        for w in other.parameters():
+            w.add_(0.5 * torch.randn_like(w))
+
+    def begun(n: int, hold: bool, h=head):
+        d = eagle.drafter(h, io)
+        d.hold = hold
+        d.begin(ids[:, :n], feats.slice(0, n), int(ids[0, n]))
+        return d
+
+    starts, paths, heads = [5, 11, 8, 3, 9], [3, 1, 4, 2, 2], [head, head, head, head, other]
+    alone = [begun(n, False, h) for n, h in zip(starts, heads)]
+    together = [begun(n, True, h) for n, h in zip(starts, heads)]
+    for drafters in (alone, together):
+        for d, n, m in zip(drafters, starts, paths):  # the path x_{n+1} .. x_{n+m}: features at n .. n+m-1
+            d.commit_tokens(ids[0, n + 1:n + m].tolist(), feats.slice(n, n + m), int(ids[0, n + m]))
+    assert all(t.held is not None and t.n == n for t, n in zip(together, starts))
+    rows = []
+    real_rows = type(head).rows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(head), "rows", lambda self, emb, *a: rows.append(emb.shape[0]) or real_rows(self, emb, *a))
+        eagle.EagleDrafter.settle_together(together)
+    assert sorted(rows) == [1, 4]  # the four requests of one head in one pass, the other head's alone
+    for a, t in zip(alone, together):
+        assert t.held is None and t.n == a.n
+        assert torch.allclose(t.cache.layers[0].keys, a.cache.layers[0].keys, atol=1e-5)
+        assert torch.allclose(t.cache.layers[0].values, a.cache.layers[0].values, atol=1e-5)
+        assert torch.allclose(t.last_logits, a.last_logits, atol=1e-4)
+        assert t.draft(3, 0.0).tokens.tolist() == a.draft(3, 0.0).tokens.tolist()
+    # a held commit is run by the request's own next draft (and by a second commit, before it is held)
+    d, ref = begun(6, True), begun(6, False)
+    for x in (d, ref):
+        x.commit_tokens([int(ids[0, 7])], feats.slice(6, 8), int(ids[0, 8]))
+        x.commit_tokens([], feats.slice(8, 9), int(ids[0, 9]))
+    assert d.n == 8 and d.held is not None
+    assert d.draft(2, 0.0).tokens.tolist() == ref.draft(2, 0.0).tokens.tolist() and d.n == ref.n == 9
+
+
 def test_dynamic_tree_is_topological_and_ancestor_closed(tiny_target):
     model, _, io = tiny_target
     _, head = _eagle3(io)

@@ -8,7 +8,9 @@ appended while drafting and cropped away at the end of `draft`, and `commit` rec
 the target's real features (the rollback). The EAGLE-2 tree grows as a pool of `Candidate` nodes.
 `EagleDrafter.draft_together(drafters, ks, temperature)` drafts the chains of several requests (the batched
 decoder's rows) in one head pass per depth: each request's committed keys padded to the longest and masked, its
-draft rows batched; each drafter's next `draft` returns its chain.
+draft rows batched; each drafter's next `draft` returns its chain. A drafter with `hold` set keeps its commit
+until its next draft or `EagleDrafter.settle_together(drafters)`, which runs the held commits of several
+requests in one head pass (their paths padded to the longest, each over its own committed rows).
 
 Tests: `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_sampling_drafters.py -k eagle`.
 """
@@ -117,6 +119,10 @@ class EagleDrafter:
         self.last_logits: torch.Tensor | None = None
         self.tree_tokens: list[int] = []
         self.ready: tuple[int, float, DraftTree] | None = None  # (k, temperature, chain) from draft_together
+        # hold: commits wait (held: path, features) until the next draft or settle_together, which runs the
+        # held commits of several requests in one head pass (the batched decoder sets it: eval.batch)
+        self.hold = False
+        self.held: tuple[list[int], Features] | None = None
 
     # -- rows
     def _rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -141,11 +147,16 @@ class EagleDrafter:
         tok = int(self.head.to_target_ids(torch.tensor(tok_h, device=self.device)))
         return tok, None if q is None else self.head.to_target_probs(q, self.target.vocab_size)
 
+    @staticmethod
+    def _check(tokens: list[int], features: Features | None) -> Features:
+        if features is None or features.last.shape[1] != len(tokens):
+            got = None if features is None else features.last.shape[1]
+            raise ValueError(f"EAGLE drafter: expected features for {len(tokens)} positions, got {got}")
+        return features
+
     def _extend(self, tokens: list[int], features: Features | None) -> None:
         m = len(tokens)
-        if features is None or features.last.shape[1] != m:
-            got = None if features is None else features.last.shape[1]
-            raise ValueError(f"EAGLE drafter: expected features for {m} positions, got {got}")
+        features = self._check(tokens, features)
         feats = Features(last=features.last.to(self.device),
                          aux=None if features.aux is None else features.aux.to(self.device))
         hidden = self.head.project(feats)
@@ -162,7 +173,7 @@ class EagleDrafter:
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
         self.cache = DynamicCache()
         self.n = 0
-        self.tree_tokens, self.ready = [], None
+        self.tree_tokens, self.ready, self.held = [], None, None
         ids = prompt_ids.reshape(-1).tolist()
         self._extend(ids[1:] + [int(next_token)], features)
 
@@ -173,10 +184,24 @@ class EagleDrafter:
     def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
         # Draft rows are never kept, so any path is committed alike: its rows come from the target's features.
         self.tree_tokens, self.ready = [], None
-        self._extend([int(t) for t in tokens] + [int(next_token)], features)
+        path = [int(t) for t in tokens] + [int(next_token)]
+        if not self.hold:
+            self._extend(path, features)
+            return
+        # An earlier held commit goes first. The features are held as given: the batched decoder's are never
+        # written again (data.kvcache.DynamicKV allocates every forward); DeferredSync copies what it defers.
+        self._settle()
+        self.held = (path, self._check(path, features))
+
+    def _settle(self) -> None:
+        """Run the held commit, if any."""
+        if self.held is not None:
+            (path, features), self.held = self.held, None
+            self._extend(path, features)
 
     @torch.no_grad()
     def draft(self, k: int, temperature: float) -> DraftTree:
+        self._settle()
         if self.last_logits is None:
             raise RuntimeError("EAGLE drafter: draft() before begin()")
         depth = min(k, self.depth) if self.depth else k
@@ -221,7 +246,9 @@ class EagleDrafter:
         per depth for all of them; drafter i's next draft(ks[i], temperature) returns its chain, the one its
         own draft would make (the same rows, positions and keys: each request attends to its own committed
         rows, padded to the longest and masked, and to its own draft rows). Requests are grouped by head; dynamic
-        trees, a depth cap that binds, or a drafter not begun are left to their own draft."""
+        trees, a depth cap that binds, or a drafter not begun are left to their own draft. Held commits are
+        settled first, together (settle_together)."""
+        EagleDrafter.settle_together([d for d, k in zip(drafters, ks) if k > 0])
         by_head: dict[int, list[tuple[EagleDrafter, int]]] = {}
         for d, k in zip(drafters, ks):
             if k > 0 and d.tree == "chain" and d.last_logits is not None and not (d.depth and d.depth < k):
@@ -270,6 +297,66 @@ class EagleDrafter:
         for i, (d, k) in enumerate(rows):
             t = torch.tensor(tokens[i], dtype=torch.long, device=dev)
             d.ready = (k, temperature, DraftTree.chain(t, torch.stack(probs[i]) if probs[i] else None))
+
+    @staticmethod
+    @torch.no_grad()
+    def settle_together(drafters: list[EagleDrafter]) -> None:
+        """Run the held commits of several requests (`hold`: the batched decoder's rows) in one head pass per
+        head: each request's path rows padded to the longest path, each attending to its own committed rows
+        (padded to the longest and masked) and causally to its own path, at its own positions; each request
+        keeps its real rows' keys and its last row's output. The state is the one its own commit makes."""
+        by_head: dict[int, list[EagleDrafter]] = {}
+        for d in drafters:
+            if d.held is not None:
+                by_head.setdefault(id(d.head), []).append(d)
+        for rows in by_head.values():
+            if len(rows) == 1:
+                rows[0]._settle()
+            else:
+                EagleDrafter._extend_rows(rows)
+
+    @staticmethod
+    def _extend_rows(rows: list[EagleDrafter]) -> None:
+        """settle_together for requests of one head, each with a held commit."""
+        first = rows[0]
+        head, target, dev = first.head, first.target, first.device
+        held = [d.held for d in rows]
+        for d in rows:
+            d.held = None
+        lens = [len(path) for path, _ in held]
+        b, m, longest = len(rows), max(lens), max(d.n for d in rows)
+
+        def padded(parts: list[torch.Tensor]) -> torch.Tensor:  # [1, len, ...] each -> [b, m, ...], zeros after
+            out = parts[0].new_zeros(b, m, *parts[0].shape[2:])
+            for i, t in enumerate(parts):
+                out[i, :t.shape[1]] = t[0]
+            return out
+
+        feats = [f for _, f in held]
+        aux = None if feats[0].aux is None else padded([f.aux.to(dev) for f in feats])
+        hidden = head.project(Features(last=padded([f.last.to(dev) for f in feats]), aux=aux))
+        ids = torch.zeros(b, m, dtype=torch.long)
+        for i, (path, _) in enumerate(held):
+            ids[i, :len(path)] = torch.tensor(path)
+        pos = torch.tensor([d.n for d in rows])[:, None] + torch.arange(m)
+        emb = target.embed(ids.to(next(target.embed.parameters()).device)).to(dev)
+        cos, sin = rotary(target, hidden, pos.to(dev))
+        q, k, v, resid = head.rows(emb, hidden, cos, sin)
+        layer = [d.cache.layers[0] for d in rows]
+        keys = k.new_zeros(b, k.shape[1], longest + m, k.shape[-1])
+        vals = torch.zeros_like(keys)
+        mask = torch.zeros(b, 1, m, longest + m, dtype=torch.bool, device=dev)
+        mask[:, 0, :, longest:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()  # causal over the path
+        for i, d in enumerate(rows):
+            keys[i, :, :d.n], vals[i, :, :d.n], mask[i, 0, :, :d.n] = layer[i].keys[0], layer[i].values[0], True
+        keys[:, :, longest:], vals[:, :, longest:] = k, v
+        o = head.layer.finish(masked_attention(q, keys, vals, mask), resid)  # [b, m, H]; rows past a path unread
+        last = torch.cat([o[i:i + 1, n - 1:n] for i, n in enumerate(lens)])  # [b, 1, H]
+        logits = first._logits(last)
+        for i, (d, n) in enumerate(zip(rows, lens)):
+            d.cache.update(k[i:i + 1, :, :n], v[i:i + 1, :, :n], 0)
+            d.n += n
+            d.last_o, d.last_logits = last[i:i + 1], logits[i, 0]
 
     def _draft_dynamic(self, depth: int, temperature: float) -> DraftTree:
         pool = CandidatePool(min(self.top_k, self.last_logits.numel()), temperature)
