@@ -27,9 +27,9 @@ A drafter is one request's state (its own head KV cache), so each row drafts thr
 fixed k, rows whose head family drafts several requests at once (`draft_together` on the drafter's class:
 EAGLE-1/3 chains, heads.eagle.drafting) get their chains from one head pass per depth for the whole batch first,
 and the head commits of every row (a policy's rows included) are held and run in one head pass at the end of
-the pass (`settle_together`). Only the drafts of rows under a policy stay one row after another. On a GPU,
-where a batched pass of the target costs about one row's, per-row head passes were what the fixed-k head lost
-under load (docs/results.md, "GPU").
+the pass (`settle_together`); under a policy, the rows its choice lets the head draft are drafted together the
+same way (their deferred commits settled together first). On a GPU, where a batched pass of the target costs
+about one row's, per-row head passes were what the fixed-k head lost under load (docs/results.md, "GPU").
 
 Load-aware drafting (eval.policy.LoadAware): each row's AdaptivePolicy prices a pass with the row's share of
 a batch pass, T(B, n) / B, from the cost surface T(B, n) measured before the sweep (eval.costs.
@@ -307,30 +307,43 @@ def _settle_together(heads: list[Any]) -> None:
         settle(hs)
 
 
-def _draft_together(active: list[_Row], k: int, budgets: list[int], temperature: float) -> None:
-    """Rows at a fixed k whose head drafters' family drafts several requests at once (a `draft_together` on
-    the drafter's class, heads.eagle's EagleDrafter) get their chains from one head pass per depth; each row's
-    own draft below then returns its chain. Per-row head passes were the batched decoder's cost on a GPU,
-    where a batched pass of the target costs about one row's (docs/results.md, "GPU")."""
+def _head_depth(r: _Row, k: int, budget: int, chosen: dict[str, int] | None) -> int:
+    """How deep row r's head drafts this pass (draft_pass's rule): min(k, budget) at a fixed k; under a policy
+    the chosen length, a hybrid's head its own share of it."""
+    if r.drafter is None:
+        return 0
+    if chosen is None:
+        return min(k, budget)
+    kk = max(chosen.values(), default=0)
+    return min(kk, chosen.get("head", kk)) if isinstance(r.drafter, HybridDrafter) else max(kk, 0)
+
+
+def _draft_together(active: list[_Row], depths: list[int], temperature: float) -> None:
+    """Rows whose head drafters' family drafts several requests at once (a `draft_together` on the drafter's
+    class, heads.eagle's EagleDrafter) get their chains from one head pass per depth (their deferred commits
+    settled together first); each row's own draft below then returns its chain. Per-row head passes were the
+    batched decoder's cost on a GPU, where a batched pass of the target costs about one row's (docs/results.md,
+    "GPU")."""
     groups: dict[Any, list[tuple[Any, int]]] = {}
-    for r, b in zip(active, budgets):
-        if r.drafter is not None and r.policy is None and min(k, b) > 0:
-            head = _head_drafter(r.drafter)
+    for r, n in zip(active, depths):
+        if n > 0:
+            head = _head_drafter(r.drafter)  # a DeferredSync is flushed here, as its own draft would
             together = getattr(type(head), "draft_together", None)
             if together is not None:
-                groups.setdefault(together, []).append((head, min(k, b)))
+                groups.setdefault(together, []).append((head, n))
     for together, rows in groups.items():
         together([d for d, _ in rows], [n for _, n in rows], temperature)
 
 
 def _draft_all(active: list[_Row], k: int, temperature: float, load: LoadAware | None) -> None:
-    """Every active row's draft for this pass (empty without a drafter); under `load`, the gated choices."""
+    """Every active row's draft for this pass (empty without a drafter): the policies' choices (under `load`,
+    the gated ones) first, then the heads' chains together, then each row's draft_pass."""
     budgets = [r.max_new - len(r.out) - 1 for r in active]  # the pass itself adds one token (the decoder's rule)
-    chosen: list[dict[str, int] | None] = [None] * len(active)
     if load is not None:
         chosen = list(load.choose([(r.drafter, r.policy) for r in active], budgets))
     else:
-        _draft_together(active, k, budgets, temperature)
+        chosen = [None if r.policy is None else r.policy.choose(r.drafter, b) for r, b in zip(active, budgets)]
+    _draft_together(active, [_head_depth(r, k, b, c) for r, b, c in zip(active, budgets, chosen)], temperature)
     for r, c, b in zip(active, chosen, budgets):
         r.tree = EMPTY if r.drafter is None else draft_pass(r.drafter, r.policy, k, b, temperature, r.stats, chosen=c)
 

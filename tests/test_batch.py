@@ -223,6 +223,41 @@ def test_fixed_k_rows_draft_their_eagle_chains_together(tiny_target, family_head
     assert alone_from > 0 and all(b == 1 for b, _ in passes[alone_from:]) and 2 * head_passes < len(rows)
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["head", "head+ngram"])
+def test_policy_rows_draft_and_catch_up_together(tiny_target, family_heads, hybrid, monkeypatch):
+    """Under a policy the rows whose choice lets the head draft get their chains together, their deferred
+    commits (DeferredSync) settled together first: the run equals the rows drafting one after another (tokens,
+    passes, acceptance, chosen lengths), with some head passes over several requests and none alone."""
+    from heads.eagle import EagleDrafter
+
+    model, tok, io = tiny_target
+    prompts = _prompts(tok, 4)
+    head = copy.deepcopy(family_heads["eagle3"])
+    make = registry.get("eagle3").drafter_factory(head, io, "chain", 3)
+    drafter = (lambda: HybridDrafter(make())) if hybrid else (lambda: DeferredSync(make()))
+    sources = ("head", "ngram") if hybrid else ("draft",)
+    rows = []
+    real_rows = type(head).rows
+    monkeypatch.setattr(type(head), "rows", lambda self, emb, *a: rows.append(emb.shape[0]) or real_rows(self, emb, *a))
+    drafted_together = []
+    real_together = EagleDrafter._draft_rows
+    monkeypatch.setattr(EagleDrafter, "_draft_rows", lambda r, t: drafted_together.append(len(r)) or real_together(r, t))
+    together = batched_generate(model, prompts, 24, tok.pad_token_id, k=3, make_drafter=drafter,
+                                make_policy=lambda: _policy(sources))
+    batched = sum(1 for b in rows if b > 1)
+    assert drafted_together  # some passes drafted several rows' chains at once
+    rows.clear()
+    monkeypatch.setattr(EagleDrafter, "draft_together", None)
+    monkeypatch.setattr(EagleDrafter, "settle_together", None)
+    alone = batched_generate(model, prompts, 24, tok.pad_token_id, k=3, make_drafter=drafter,
+                             make_policy=lambda: _policy(sources))
+    assert torch.equal(together.tokens, alone.tokens) and together.passes == alone.passes
+    assert together.stats.drafted_tokens == alone.stats.drafted_tokens > 0
+    assert together.stats.accepted_per_position == alone.stats.accepted_per_position
+    assert together.stats.chosen_k == alone.stats.chosen_k
+    assert batched > 0 and not any(b > 1 for b in rows)
+
+
 def _policy(sources=("draft",), prior=0.9):
     verify = VerifyCost({1: 0.05, 2: 0.055, 4: 0.06, 8: 0.07, 16: 0.09}, context_len=64)
     return AdaptivePolicy(verify, {s: DraftCost(0.0005, 0.0002) for s in sources}, {s: [prior] * 4 for s in sources})
