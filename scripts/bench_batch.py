@@ -2,6 +2,7 @@
 
     python scripts/bench_batch.py --head runs/quickstart/head --json out.json --threads 1
     python scripts/bench_batch.py --batch-sizes 1,4,16 --new-tokens 48 --repeats 5   # a fresh EAGLE-3 head
+    python scripts/bench_batch.py --head runs/quickstart/head --together --k 3 --threads 0   # only the table below
 
 Where the policy turns drafting off, speculative decoding must cost what plain decoding costs. Per prompt and
 repeat, the two runs pass-interleaved (one pass of each in turn, each timed over its own passes; plain steps
@@ -27,6 +28,13 @@ loop_vs_plain: 1 + (off_outside - plain_outside) / plain pass, the share of off_
 explains}], capture: [{batch_size, plain_forward_ms, capture_forward_ms, capture_vs_plain}]: the forward with
 and without the head's capture, timed pass by pass alternately (what remains of a drafting-off pass inside
 the forward, at the prompts' context).
+
+`--together` runs only this: at a fixed k, the head's batched decoding with the rows' chains drafted and their
+commits settled together (EagleDrafter.draft_together / settle_together: one head pass per depth and one per
+commit for the whole batch) against the same rows drafting and committing one after another (the before:
+both switched off), and plain, the three pass-interleaved, per batch size and repeat. JSON key together:
+[{batch_size, k, plain_tok_s, together_tok_s, alone_tok_s, together_vs_plain, alone_vs_plain (medians of the
+per-repeat ratios), identical}].
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from eval.drafters import DeferredSync, HybridDrafter  # noqa: E402
 from eval.policy import AdaptivePolicy, LoadAware  # noqa: E402
 from heads import registry  # noqa: E402
 from heads.base import load_head  # noqa: E402
+from heads.eagle import EagleDrafter  # noqa: E402
 
 PROMPTS = ["Explain how a hash map handles collisions.", "Write a short poem about autumn rain.",
            "What is 17 times 23? Show your steps.", "Summarize the plot of a heist movie in three sentences."]
@@ -158,6 +167,60 @@ def _capture_cost(model, capture, b: int, context: int, pairs: int) -> dict:
             "capture_vs_plain": statistics.median(c / p for p, c in zip(*times))}
 
 
+TOGETHER = EagleDrafter.__dict__["draft_together"], EagleDrafter.__dict__["settle_together"]  # staticmethods
+
+
+def _switch(on: bool) -> None:
+    """EagleDrafter's draft_together / settle_together on, or off (eval.batch then drafts and commits row by row)."""
+    EagleDrafter.draft_together, EagleDrafter.settle_together = TOGETHER if on else (None, None)
+
+
+class _Switched:
+    """A BatchRun built and stepped with drafting together switched on or off (back on after each step)."""
+
+    def __init__(self, on: bool, *args, **kwargs):
+        self.on = on
+        _switch(on)
+        try:
+            self.run = BatchRun(*args, **kwargs)  # its rows hold their commits only when settle_together is on
+        finally:
+            _switch(True)
+
+    @property
+    def done(self) -> bool:
+        return self.run.done
+
+    def step(self) -> None:
+        _switch(self.on)
+        try:
+            self.run.step()
+        finally:
+            _switch(True)
+
+    def result(self):
+        return self.run.result()
+
+
+def _together(model, rows, pad, make_head, n: int, k: int, repeats: int) -> dict:
+    """Fixed-k head rows drafted and committed together, one after another, and plain (see the docstring)."""
+    rates: dict[str, list[float]] = {"plain": [], "together": [], "alone": []}
+    ratios: dict[str, list[float]] = {"together": [], "alone": []}
+    same = True
+    for r in range(repeats):
+        runs = {"plain": BatchRun(model, rows, n, pad),
+                "together": _Switched(True, model, rows, n, pad, k=k, make_drafter=make_head),
+                "alone": _Switched(False, model, rows, n, pad, k=k, make_drafter=make_head)}
+        order = list(runs) if r % 2 == 0 else list(runs)[::-1]  # who steps first alternates by repeat
+        res = dict(zip(order, interleave_batches([runs[m] for m in order])))
+        for m in rates:
+            rates[m].append(res[m].tokens_per_s)
+        for m in ratios:
+            ratios[m].append(res[m].tokens_per_s / res["plain"].tokens_per_s)
+            same = same and bool(torch.equal(res[m].tokens, res["plain"].tokens))
+    return {"batch_size": len(rows), "k": k, **{f"{m}_tok_s": statistics.median(v) for m, v in rates.items()},
+            **{f"{m}_vs_plain": statistics.median(v) for m, v in ratios.items()}, "identical": same}
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -170,6 +233,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                     help="the dtype the head drafts in (eval.draft_dtype)")
+    ap.add_argument("--together", action="store_true",
+                    help="only the fixed-k head's rows drafted and committed together against one after another")
+    ap.add_argument("--k", type=int, default=3, help="--together's fixed draft length")
     args = ap.parse_args(argv)
     try:
         sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
@@ -185,6 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = render_rows(tok, [[{"role": "user", "content": t}] for t in PROMPTS])
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     n = args.new_tokens
+    if args.together:
+        return _together_table(args, model, rows, pad, make_head, sizes)
     results = [_measure("single stream", 1, lambda r: _single(model, torch.tensor([rows[r % len(rows)]], device=p.device),
                                                               make_head, n, r % 2 == 0), args.repeats)]
     for b in sizes:
@@ -210,6 +278,26 @@ def main(argv: list[str] | None = None) -> dict:
               f"{f['capture_vs_plain']:.3f}x |")
     out = {"threads": torch.get_num_threads(), "target": args.target, "head": args.head, "new_tokens": n,
            "rows": results, "capture": forwards}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return out
+
+
+def _together_table(args, model, rows, pad, make_head, sizes: list[int]) -> dict:
+    if args.k < 1:
+        raise UserError("--k must be >= 1")
+    table = [_together(model, [rows[i % len(rows)] for i in range(b)], pad, make_head, args.new_tokens, args.k,
+                       args.repeats) for b in sizes]
+    print(f"target {args.target}, head {args.head or 'fresh EAGLE-3'}, {torch.get_num_threads()} threads, "
+          f"{args.new_tokens} new tokens per row, k {args.k}, median of {args.repeats}")
+    print("| batch | plain tok/s | together tok/s | one after another tok/s | together / plain | "
+          "one after another / plain | identical |")
+    print("|---|---|---|---|---|---|---|")
+    for t in table:
+        print(f"| {t['batch_size']} | {t['plain_tok_s']:.1f} | {t['together_tok_s']:.1f} | {t['alone_tok_s']:.1f} | "
+              f"{t['together_vs_plain']:.3f}x | {t['alone_vs_plain']:.3f}x | {'yes' if t['identical'] else 'NO'} |")
+    out = {"threads": torch.get_num_threads(), "target": args.target, "head": args.head,
+           "new_tokens": args.new_tokens, "together": table}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return out

@@ -880,3 +880,21 @@ def test_bench_batch_runs_on_the_tiny_target(tmp_path):
     for r in (single, batch):
         assert 0 < r["plain_outside_ms"] < r["plain_pass_ms"] and 0 < r["off_outside_ms"] < r["off_pass_ms"]
         assert r["loop_vs_plain"] == 1 + (r["off_outside_ms"] - r["plain_outside_ms"]) / r["plain_pass_ms"]
+
+
+def test_bench_batch_together_compares_drafting_together_with_row_by_row(tmp_path):
+    """scripts/bench_batch.py --together on the tiny target: both fixed-k runs match plain token for token, and
+    drafting together is switched back on afterwards."""
+    import importlib.util
+
+    from heads.eagle import EagleDrafter
+
+    spec = importlib.util.spec_from_file_location("bench_batch", ROOT / "scripts" / "bench_batch.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    real = EagleDrafter.draft_together, EagleDrafter.settle_together
+    out = mod.main(["--target", "tiny-random-llama", "--together", "--k", "2", "--batch-sizes", "1,3",
+                    "--new-tokens", "6", "--repeats", "2"])
+    assert [t["batch_size"] for t in out["together"]] == [1, 3]
+    assert all(t["identical"] and t["together_tok_s"] > 0 and t["alone_tok_s"] > 0 for t in out["together"])
+    assert (EagleDrafter.draft_together, EagleDrafter.settle_together) == real
