@@ -232,6 +232,25 @@ def test_commit_rolls_back_to_the_accepted_path(tiny_target):
     assert torch.allclose(a.cache.layers[0].keys, b.cache.layers[0].keys, atol=1e-5) and torch.allclose(a.last_logits, b.last_logits, atol=1e-4)
 
 
+def _family_head(io, family: str):
+    """A fresh EAGLE-3 (the module's usual one) or EAGLE-1 head, in eval mode."""
+    if family == "eagle3":
+        _, head = _eagle3(io)
+    else:
+        torch.manual_seed(0)
+        head = eagle.build(eagle.Eagle1Config(), io)
+    return head.eval()
+
+
+def _perturbed(head):
+    """A copy of `head` with different weights: a second head for requests of two heads in one call."""
+    other = copy.deepcopy(head)
+    with torch.no_grad():
+        for w in other.parameters():
+            w.add_(0.5 * torch.randn_like(w))
+    return other
+
+
 @pytest.mark.parametrize("family", ["eagle3", "eagle1"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_drafting_together_equals_each_requests_own_draft(tiny_target, family, temperature):
@@ -239,12 +258,7 @@ def test_drafting_together_equals_each_requests_own_draft(tiny_target, family, t
     committed rows of different lengths and different draft lengths get the chain their own draft makes,
     sampled ones from their own generator with the same q, and their own state is left as it was."""
     model, _, io = tiny_target
-    if family == "eagle3":
-        _, head = _eagle3(io)
-    else:
-        torch.manual_seed(0)
-        head = eagle.build(eagle.Eagle1Config(), io)
-    head.eval()
+    head = _family_head(io, family)
     torch.manual_seed(1)
     ids = torch.randint(0, io.vocab_size, (1, 16))
     feats, _ = forward_features(model, ids, None, head.layer_ids)
@@ -267,10 +281,7 @@ def test_drafting_together_equals_each_requests_own_draft(tiny_target, family, t
         assert t.tree_tokens == a.tree_tokens and t.n == a.n
         assert torch.equal(t.cache.layers[0].keys, a.cache.layers[0].keys)
     # requests of two heads in one call: each drafted with its own head
-    other = copy.deepcopy(head)
-    with torch.no_grad():
-        for w in other.parameters():
-            w.add_(0.5 * torch.randn_like(w))
+    other = _perturbed(head)
     mixed = [begun(5, 1), begun(9, 2)]
     mixed[1].head = other
     mixed[1].begin(ids[:, :9], feats.slice(0, 9), int(ids[0, 9]))
@@ -291,19 +302,11 @@ def test_settling_together_equals_each_requests_own_commit(tiny_target, family):
     make (rows, keys, last logits, the next draft), a request of another head settles with its own head, and
     a held commit is settled by the request's own next draft."""
     model, _, io = tiny_target
-    if family == "eagle3":
-        _, head = _eagle3(io)
-    else:
-        torch.manual_seed(0)
-        head = eagle.build(eagle.Eagle1Config(), io)
-    head.eval()
+    head = _family_head(io, family)
     torch.manual_seed(1)
     ids = torch.randint(0, io.vocab_size, (1, 20))
     feats, _ = forward_features(model, ids, None, head.layer_ids)
-    other = copy.deepcopy(head)
-    with torch.no_grad():
-        for w in other.parameters():
-            w.add_(0.5 * torch.randn_like(w))
+    other = _perturbed(head)
 
     def begun(n: int, hold: bool, h=head):
         d = eagle.drafter(h, io)
