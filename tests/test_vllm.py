@@ -309,10 +309,13 @@ def test_vllm_extraction_killed_after_a_shard_resumes_to_the_uninterrupted_store
     pytest.importorskip("vllm")
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     part = killed / "features" / "train" / "part-r0000of0001.json"  # written atomically, a shard at a time
-    proc = kill_when([*EXTRACT, "--out", str(killed)], lambda: part.exists() and "sha256" in part.read_text(),
-                     timeout=600, cwd=ROOT, env=ENV)
+    # SIGKILLed from inside right after the part file's second write (its header, then its first shard): see
+    # the regeneration test above
+    proc = kill_when([sys.executable, str(ROOT / "tests" / "crash_at.py"), "train/" + part.name, "2", *EXTRACT[1:],
+                      "--out", str(killed)], lambda: False, timeout=600, cwd=ROOT, env=ENV)
     assert proc.returncode == -signal.SIGKILL, "the extraction finished before it could be killed"
     assert not (part.parent / "manifest.json").exists()
+    assert len(json.loads(part.read_text())["shards"]) == 1
     finished = _manifest(killed / "features", "train", part.name)
     for out in (killed, whole):
         r = _run([*EXTRACT, "--out", str(out)], timeout=600)
