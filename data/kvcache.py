@@ -8,7 +8,8 @@ fixed-size forwards, captured as CUDA graphs on CUDA). The speculative decoder a
     logits, feats = kv.run(ids, parents) # rows 1..q-1 form a tree below row 0 (heads.tree conventions)
     kv.keep([0, 2, 3])                   # commit these new rows, packed in order; the others are dropped
     kv.truncate(n)                       # forget committed rows past the first n
-    kv = DynamicKV(model); kv.run(ids, pad=mask)  # B left-padded rows (batch sweep, generation; see DynamicKV)
+    ids, mask = left_pad(rows, pad_id); kv = DynamicKV(model); kv.run(ids, pad=mask)  # B left-padded rows
+                                         # (batch sweep, generation; see DynamicKV)
     kv.run(block, parents=P); kv.keep_rows(paths)   # B rows, a tree each (P [B, q-1]), each keeping its own path
 
 The heads' own drafters (heads/) are not causal LMs and keep a DynamicCache directly, through the same
@@ -57,6 +58,22 @@ __all__ = ["CACHE_KINDS", "DynamicKV", "KVCache", "StaticKV", "new_kv", "rollbac
 
 CACHE_KINDS = ("dynamic", "static")
 GRAPH_MAX_ROWS = 128  # forwards of at most this many rows are captured as CUDA graphs (verify sizes, not prompts)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token rows: (input_ids [B, L], attention_mask [B, L] with 1 on real tokens).
+
+    Example: rows [[5, 6, 7], [8]], pad 0 -> ids [[5, 6, 7], [0, 0, 8]], mask [[1, 1, 1], [0, 0, 1]].
+    """
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("left_pad needs non-empty rows")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids, mask
 
 
 def sliding_window(model: nn.Module) -> int | None:

@@ -56,11 +56,11 @@ from tqdm import tqdm
 
 from data.cli import cli_main, write_atomic
 from data.config import RegenerateConfig, RunConfig, parse_args, save_config, to_dict
-from data.kvcache import DynamicKV
+from data.kvcache import DynamicKV, left_pad
 from data.readers import DataError, Record, read_records, to_sharegpt
 from data.sampling import target_distribution, turn_seed
 from data.target import load_model, load_tokenizer
-from data.tokenize import left_pad, render_chat
+from data.tokenize import render_chat
 
 
 @dataclass

@@ -23,7 +23,6 @@ import hashlib
 import json
 import random
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -245,22 +244,6 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         att[b, :n] = 1
         mask[b, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.long)
     return {"input_ids": ids, "attention_mask": att, "loss_mask": mask}
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token rows: (input_ids [B, L], attention_mask [B, L] with 1 on real tokens).
-
-    Example: rows [[5, 6, 7], [8]], pad 0 -> ids [[5, 6, 7], [0, 0, 8]], mask [[1, 1, 1], [0, 0, 1]].
-    """
-    if not rows or any(len(r) == 0 for r in rows):
-        raise ValueError("left_pad needs non-empty rows")
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 def summarize(train: datasets.Dataset, holdout: datasets.Dataset, batch_size: int, seed: int) -> dict[str, Any]:

@@ -52,8 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from data.kvcache import DynamicKV
-from data.tokenize import left_pad
+from data.kvcache import DynamicKV, left_pad
 from eval.decoder import (
     EMPTY,
     DraftPolicy,

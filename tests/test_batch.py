@@ -18,8 +18,7 @@ from test_policy import PROMPT4, head4, vocab4_model  # noqa: F401  (fixtures)
 
 import eval.decoder as decoder
 from data.config import load_config
-from data.kvcache import DynamicKV
-from data.tokenize import left_pad
+from data.kvcache import DynamicKV, left_pad
 from eval.batch import BatchRun, Method, batched_generate, interleave_batches, sweep
 from eval.costs import DraftCost, VerifyCost, place_head
 from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter
