@@ -152,13 +152,16 @@ class BatchRun:
     """One batched generation, a pass at a time (see the module doc): set up and prefilled (untimed) on
     construction; `step()` runs one timed pass; `result()` once `done`. `batched_generate` runs one to the
     end; `interleave_batches` advances several pass by pass, so that each one's seconds are its own passes'
-    and load drift on a shared machine falls on all of them alike."""
+    and load drift on a shared machine falls on all of them alike. together=False makes every row draft and
+    commit alone (no draft_together / settle_together): what they are worth (scripts/bench_batch.py --together,
+    scripts/gpu_check.py)."""
 
     @torch.no_grad()
     def __init__(self, model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int,
                  k: int = 0, make_drafter: Callable[[], Drafter] | None = None,
                  make_policy: Callable[[], DraftPolicy] | None = None, load: LoadAware | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 together: bool = True):
         if (k > 0 or make_policy is not None) and make_drafter is None:
             raise ValueError("speculative batches need a drafter factory")
         if load is not None and make_policy is None:
@@ -167,6 +170,7 @@ class BatchRun:
             raise ValueError(f"need max_new_tokens >= 1 and k >= 0, got {max_new_tokens}, {k}")
         self.device = next(model.parameters()).device
         self.k, self.load, self.max_new = k, load, max_new_tokens
+        self.together = together  # False: every row drafts and commits alone (the before of a benchmark)
         speculative = k > 0 or make_policy is not None
         self.rows = []
         for i, p in enumerate(prompts):
@@ -176,7 +180,8 @@ class BatchRun:
         for r in self.rows:
             if r.policy is not None:
                 r.policy.reset(k)
-        _hold_commits(self.rows)
+        if together:
+            _hold_commits(self.rows)
         ids, mask = left_pad(prompts, pad_id)
         self.kv = DynamicKV(model, self.rows[0].drafter.capture_layers if speculative else None)
         self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
@@ -194,7 +199,7 @@ class BatchRun:
         """One pass: draft, one target forward over every active row, judge, ragged keep, commits."""
         active, load, max_new = self.active, self.load, self.max_new
         tc = time.perf_counter()
-        _draft_all(active, self.k, self.sampling["temperature"], load)
+        _draft_all(active, self.k, self.sampling["temperature"], load, self.together)
         block, parents = _block(active, self.device)
         tv = time.perf_counter()
         logits, feats = self.kv.run(block, parents)
@@ -334,15 +339,17 @@ def _draft_together(active: list[_Row], depths: list[int], temperature: float) -
         together([d for d, _ in rows], [n for _, n in rows], temperature)
 
 
-def _draft_all(active: list[_Row], k: int, temperature: float, load: LoadAware | None) -> None:
+def _draft_all(active: list[_Row], k: int, temperature: float, load: LoadAware | None, together: bool) -> None:
     """Every active row's draft for this pass (empty without a drafter): the policies' choices (under `load`,
-    the gated ones) first, then the heads' chains together, then each row's draft_pass."""
+    the gated ones) first, then the heads' chains together (unless `together` is False), then each row's
+    draft_pass."""
     budgets = [r.max_new - len(r.out) - 1 for r in active]  # the pass itself adds one token (the decoder's rule)
     if load is not None:
         chosen = list(load.choose([(r.drafter, r.policy) for r in active], budgets))
     else:
         chosen = [None if r.policy is None else r.policy.choose(r.drafter, b) for r, b in zip(active, budgets)]
-    _draft_together(active, [_head_depth(r, k, b, c) for r, b, c in zip(active, budgets, chosen)], temperature)
+    if together:
+        _draft_together(active, [_head_depth(r, k, b, c) for r, b, c in zip(active, budgets, chosen)], temperature)
     for r, c, b in zip(active, chosen, budgets):
         r.tree = EMPTY if r.drafter is None else draft_pass(r.drafter, r.policy, k, b, temperature, r.stats, chosen=c)
 

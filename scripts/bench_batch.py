@@ -32,7 +32,7 @@ the forward, at the prompts' context).
 `--together` runs only this: at a fixed k, the head's batched decoding with the rows' chains drafted and their
 commits settled together (EagleDrafter.draft_together / settle_together: one head pass per depth and one per
 commit for the whole batch) against the same rows drafting and committing one after another (the before:
-both switched off), and plain, the three pass-interleaved, per batch size and repeat. JSON key together:
+BatchRun(together=False)), and plain, the three pass-interleaved, per batch size and repeat. JSON key together:
 [{batch_size, k, plain_tok_s, together_tok_s, alone_tok_s, together_vs_plain, alone_vs_plain (medians of the
 per-repeat ratios), identical}].
 """
@@ -65,7 +65,6 @@ from eval.drafters import DeferredSync, HybridDrafter  # noqa: E402
 from eval.policy import AdaptivePolicy, LoadAware  # noqa: E402
 from heads import registry  # noqa: E402
 from heads.base import load_head  # noqa: E402
-from heads.eagle import EagleDrafter  # noqa: E402
 
 PROMPTS = ["Explain how a hash map handles collisions.", "Write a short poem about autumn rain.",
            "What is 17 times 23? Show your steps.", "Summarize the plot of a heist movie in three sentences."]
@@ -167,40 +166,6 @@ def _capture_cost(model, capture, b: int, context: int, pairs: int) -> dict:
             "capture_vs_plain": statistics.median(c / p for p, c in zip(*times))}
 
 
-TOGETHER = EagleDrafter.__dict__["draft_together"], EagleDrafter.__dict__["settle_together"]  # staticmethods
-
-
-def _switch(on: bool) -> None:
-    """EagleDrafter's draft_together / settle_together on, or off (eval.batch then drafts and commits row by row)."""
-    EagleDrafter.draft_together, EagleDrafter.settle_together = TOGETHER if on else (None, None)
-
-
-class _Switched:
-    """A BatchRun built and stepped with drafting together switched on or off (back on after each step)."""
-
-    def __init__(self, on: bool, *args, **kwargs):
-        self.on = on
-        _switch(on)
-        try:
-            self.run = BatchRun(*args, **kwargs)  # its rows hold their commits only when settle_together is on
-        finally:
-            _switch(True)
-
-    @property
-    def done(self) -> bool:
-        return self.run.done
-
-    def step(self) -> None:
-        _switch(self.on)
-        try:
-            self.run.step()
-        finally:
-            _switch(True)
-
-    def result(self):
-        return self.run.result()
-
-
 def _together(model, rows, pad, make_head, n: int, k: int, repeats: int) -> dict:
     """Fixed-k head rows drafted and committed together, one after another, and plain (see the docstring)."""
     rates: dict[str, list[float]] = {"plain": [], "together": [], "alone": []}
@@ -208,8 +173,8 @@ def _together(model, rows, pad, make_head, n: int, k: int, repeats: int) -> dict
     same = True
     for r in range(repeats):
         runs = {"plain": BatchRun(model, rows, n, pad),
-                "together": _Switched(True, model, rows, n, pad, k=k, make_drafter=make_head),
-                "alone": _Switched(False, model, rows, n, pad, k=k, make_drafter=make_head)}
+                "together": BatchRun(model, rows, n, pad, k=k, make_drafter=make_head),
+                "alone": BatchRun(model, rows, n, pad, k=k, make_drafter=make_head, together=False)}
         order = list(runs) if r % 2 == 0 else list(runs)[::-1]  # who steps first alternates by repeat
         res = dict(zip(order, interleave_batches([runs[m] for m in order])))
         for m in rates:

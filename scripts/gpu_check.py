@@ -19,6 +19,11 @@ Sections (each timed, budgeted, and recorded with its error instead of stopping 
                feature forward, its soft labels and the head's forward + backward) and the head's own MFU
   extract      feature extraction (data.features.forward_features, copied to host memory as the store needs)
                tokens/s against a plain decoder forward over the same batch
+  batch_heads  batched decoding (eval.batch, eager dynamic cache) with a random EAGLE-3 head at k = 3, B rows of
+               a 128-token prompt: ms per pass of plain, of the rows drafting and committing together
+               (EagleDrafter.draft_together / settle_together) and one after another (together=False), the
+               three pass-interleaved, B = 1, 4, 16; the head is random (tau about 1), so this is what the
+               head's passes add to a batch pass
 
 Writes one JSON (every section's numbers, seconds and error) and a markdown table (`--md`, default: the JSON
 path with .md), rewritten after every section, so a run killed midway keeps what it measured; a section not
@@ -53,7 +58,8 @@ from data.config import load_config  # noqa: E402
 from data.features import forward_features, greedy_ids  # noqa: E402
 from data.kvcache import CACHE_KINDS, new_kv  # noqa: E402
 from data.target import target_io  # noqa: E402
-from eval.costs import measure_verify_cost  # noqa: E402
+from eval.batch import BatchRun, interleave_batches  # noqa: E402
+from eval.costs import measure_verify_cost, place_head  # noqa: E402
 from eval.decoder import plain_generate, speculative_generate  # noqa: E402
 from heads import registry  # noqa: E402
 from heads.base import DraftTree  # noqa: E402
@@ -71,7 +77,8 @@ CONTEXT = 512
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 # Seconds each section may take on the full run (8 minutes in all, build and imports included). A section
 # not started by DEADLINE_S is skipped, so the run ends inside one 10-minute device call whatever happens.
-BUDGET_S = {"build": 60, "verify_cost": 120, "oracle": 90, "plain": 45, "head_train": 60, "extract": 45}
+BUDGET_S = {"build": 60, "verify_cost": 120, "oracle": 90, "plain": 45, "head_train": 60, "extract": 45,
+            "batch_heads": 60}
 DEADLINE_S = 420.0
 
 
@@ -94,6 +101,8 @@ class Settings:
         self.passes = 4 if tiny else 16  # oracle passes per generation
         self.plain_tokens = 16 if tiny else 256
         self.train_steps = 2 if tiny else 8
+        self.batch_sizes = [1, 2] if tiny else [1, 4, 16]
+        self.batch_tokens = 4 if tiny else 16  # new tokens per row in batch_heads
         self.budget = {k: (10_000.0 if tiny else v) for k, v in BUDGET_S.items()}
         self.deadline_s = 10_000.0 if tiny else DEADLINE_S
 
@@ -324,6 +333,28 @@ def section_extract(s: Settings, model: torch.nn.Module) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- report
+def section_batch_heads(s: Settings, model: torch.nn.Module) -> dict[str, Any]:
+    family = registry.get(s.head.family)
+    io = target_io(model, "random-llama")
+    torch.manual_seed(5)
+    head = family.build(s.head, io)
+    place_head(head, s.device, s.dtype, "target")
+    make = family.drafter_factory(head, io, "chain", 3)
+    prompt = prompt_ids(s, 128, seed=5)[0].tolist()
+    out: dict[str, Any] = {"k": 3, "new_tokens": s.batch_tokens, "prompt_len": len(prompt)}
+    for b in s.batch_sizes:
+        rows = [prompt] * b
+        runs = [BatchRun(model, rows, s.batch_tokens, 0), BatchRun(model, rows, s.batch_tokens, 0, k=3, make_drafter=make),
+                BatchRun(model, rows, s.batch_tokens, 0, k=3, make_drafter=make, together=False)]
+        plain, together, alone = interleave_batches(runs)
+        ms = [1000 * r.decode_s / r.passes for r in (plain, together, alone)]
+        out[str(b)] = {"plain_pass_ms": round(ms[0], 3), "together_pass_ms": round(ms[1], 3),
+                       "alone_pass_ms": round(ms[2], 3), "tau": round(together.tau, 3),
+                       "identical": bool(torch.equal(plain.tokens, together.tokens)
+                                         and torch.equal(plain.tokens, alone.tokens))}
+    return out
+
+
 def markdown(r: dict[str, Any]) -> str:
     """The headline numbers as a markdown table (n/a where a section failed)."""
 
@@ -350,13 +381,17 @@ def markdown(r: dict[str, Any]) -> str:
                  f"{get('head_train', 'tokens_per_s')} ({get('head_train', 'mfu')}, {get('head_train', 'head_mfu')})"))
     rows.append(("extraction / plain forward tokens/s",
                  f"{get('extract', 'extract_tokens_per_s')} / {get('extract', 'plain_tokens_per_s')}"))
+    for b in ("1", "4", "16"):
+        rows.append((f"batch {b}, head k=3: pass ms plain / together / one after another",
+                     f"{get('batch_heads', b, 'plain_pass_ms')} / {get('batch_heads', b, 'together_pass_ms')} / "
+                     f"{get('batch_heads', b, 'alone_pass_ms')}"))
     rows.append(("total seconds", get("total_s")))
     lines = ["| measure | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
     errors = [f"- {name}: {sec['error']}" for name, sec in r["sections"].items() if sec["error"]]
     return "\n".join(lines + ([""] + ["Errors:"] + errors if errors else [])) + "\n"
 
 
-SECTIONS = ("verify_cost", "oracle", "plain", "head_train", "extract")
+SECTIONS = ("verify_cost", "oracle", "plain", "head_train", "extract", "batch_heads")
 
 
 def run_check(s: Settings, peak: float | None, only: set[str] | None = None,
@@ -413,6 +448,7 @@ def run_check(s: Settings, peak: float | None, only: set[str] | None = None,
         del caches
         section("head_train", lambda: section_head_train(s, model, peak))
         section("extract", lambda: section_extract(s, model))
+        section("batch_heads", lambda: section_batch_heads(s, model))
     return r
 
 

@@ -42,7 +42,9 @@ SECTIONS = {
     "head_train": {"batch", "seq_len", "ttt_length", "draft_vocab", "layer_ids", "step_s", "tokens_per_s",
                    "tflops_per_s", "mfu", "head_mfu", "peak_tflops"},
     "extract": {"rows", "seq_len", "layer_ids", "extract_tokens_per_s", "plain_tokens_per_s", "ratio"},
+    "batch_heads": {"k", "new_tokens", "prompt_len", "1", "2"},
 }
+BATCH_ROW = {"plain_pass_ms", "together_pass_ms", "alone_pass_ms", "tau", "identical"}
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -69,6 +71,9 @@ def test_tiny_check_writes_every_key_without_the_missing_packages(tmp_path):
         # fp32 on CPU: the oracle's drafts are all accepted, tau = k + 1 exactly
         assert all(row["tau_exact"] and row["tau"] == int(k) + 1 for k, row in rows.items())
     assert r["head_train"]["tokens_per_s"] > 0 and r["extract"]["ratio"] > 0
+    for b in ("1", "2"):  # batched decoding with the head's rows together and alone: plain's tokens
+        row = r["batch_heads"][b]
+        assert set(row) == BATCH_ROW and row["identical"] and row["alone_pass_ms"] > 0
 
 
 def test_full_check_refuses_without_a_gpu(tmp_path, capsys):
