@@ -2,9 +2,9 @@
 durable: an fsync of that file, or a rename onto it (used by tests/test_vllm.py; not a test module itself).
 
     python tests/crash_at.py regenerated.jsonl 1 -m data.regenerate --out D ...            # after chunk 1's fsync
-    python tests/crash_at.py train/part-r0000of0001.json 2 -m data.extract --out D ...     # after shard 1's record
+    python tests/crash_at.py <split>/part-r0000of0001.json 2 -m data.extract --out D ...   # after shard 1's record
 
-FILE is a path suffix ("train/part-r0000of0001.json" matches that file in any folder named train).
+FILE is a path suffix ("<split>/part-r0000of0001.json" matches that file in any folder named <split>).
 Why not poll from the test and kill: vLLM's CPU workers spin on both cores, and a test process polling the
 output file every 5 ms was starved (twice in CI: every answer was on disk before the kill landed). `nice` does
 not help, because the run starts a session of its own and the kernel's autogroup scheduling shares the CPU
