@@ -319,7 +319,7 @@ def _head_depth(r: _Row, k: int, budget: int, chosen: dict[str, int] | None) -> 
     if chosen is None:
         return min(k, budget)
     kk = max(chosen.values(), default=0)
-    return min(kk, chosen.get("head", kk)) if isinstance(r.drafter, HybridDrafter) else max(kk, 0)
+    return min(kk, chosen.get("head", kk)) if isinstance(r.drafter, HybridDrafter) else kk
 
 
 def _draft_together(active: list[_Row], depths: list[int], temperature: float) -> None:

@@ -332,7 +332,6 @@ def section_extract(s: Settings, model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------- report
 def section_batch_heads(s: Settings, model: torch.nn.Module) -> dict[str, Any]:
     family = registry.get(s.head.family)
     io = target_io(model, "random-llama")
@@ -355,6 +354,7 @@ def section_batch_heads(s: Settings, model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+# ----------------------------------------------------------------------------------------------- report
 def markdown(r: dict[str, Any]) -> str:
     """The headline numbers as a markdown table (n/a where a section failed)."""
 

@@ -262,14 +262,8 @@ class EagleDrafter:
         """draft_together for requests of one head: (drafter, k) each."""
         first = rows[0][0]
         head, target, dev, depth = first.head, first.target, first.device, max(k for _, k in rows)
-        b, longest = len(rows), max(d.n for d, _ in rows)
-        layer = [d.cache.layers[0] for d, _ in rows]
-        keys = torch.zeros(b, *layer[0].keys.shape[1:2], longest, layer[0].keys.shape[-1], dtype=layer[0].keys.dtype,
-                           device=dev)
-        vals = torch.zeros_like(keys)
-        seen = torch.zeros(b, longest, dtype=torch.bool, device=dev)  # a row's own committed keys
-        for i, (d, _) in enumerate(rows):
-            keys[i, :, :d.n], vals[i, :, :d.n], seen[i, :d.n] = layer[i].keys[0], layer[i].values[0], True
+        b = len(rows)
+        keys, vals, seen = EagleDrafter._committed([d for d, _ in rows])
         n = torch.tensor([d.n for d, _ in rows], device=dev)
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
@@ -299,6 +293,20 @@ class EagleDrafter:
             d.ready = (k, temperature, DraftTree.chain(t, torch.stack(probs[i]) if probs[i] else None))
 
     @staticmethod
+    def _committed(drafters: list[EagleDrafter]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The requests' committed keys and values padded to the longest, [b, kv_heads, longest, d] each, and
+        seen [b, longest]: which of them are a request's own (draft_together and settle_together attend over
+        them)."""
+        layer = [d.cache.layers[0] for d in drafters]
+        b, longest, dev = len(drafters), max(d.n for d in drafters), drafters[0].device
+        keys = layer[0].keys.new_zeros(b, layer[0].keys.shape[1], longest, layer[0].keys.shape[-1])
+        vals = torch.zeros_like(keys)
+        seen = torch.zeros(b, longest, dtype=torch.bool, device=dev)
+        for i, d in enumerate(drafters):
+            keys[i, :, :d.n], vals[i, :, :d.n], seen[i, :d.n] = layer[i].keys[0], layer[i].values[0], True
+        return keys, vals, seen
+
+    @staticmethod
     @torch.no_grad()
     def settle_together(drafters: list[EagleDrafter]) -> None:
         """Run the held commits of several requests (`hold`: the batched decoder's rows) in one head pass per
@@ -324,7 +332,7 @@ class EagleDrafter:
         for d in rows:
             d.held = None
         lens = [len(path) for path, _ in held]
-        b, m, longest = len(rows), max(lens), max(d.n for d in rows)
+        b, m = len(rows), max(lens)
 
         def padded(parts: list[torch.Tensor]) -> torch.Tensor:  # [1, len, ...] each -> [b, m, ...], zeros after
             out = parts[0].new_zeros(b, m, *parts[0].shape[2:])
@@ -342,14 +350,10 @@ class EagleDrafter:
         emb = target.embed(ids.to(next(target.embed.parameters()).device)).to(dev)
         cos, sin = rotary(target, hidden, pos.to(dev))
         q, k, v, resid = head.rows(emb, hidden, cos, sin)
-        layer = [d.cache.layers[0] for d in rows]
-        keys = k.new_zeros(b, k.shape[1], longest + m, k.shape[-1])
-        vals = torch.zeros_like(keys)
-        mask = torch.zeros(b, 1, m, longest + m, dtype=torch.bool, device=dev)
-        mask[:, 0, :, longest:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()  # causal over the path
-        for i, d in enumerate(rows):
-            keys[i, :, :d.n], vals[i, :, :d.n], mask[i, 0, :, :d.n] = layer[i].keys[0], layer[i].values[0], True
-        keys[:, :, longest:], vals[:, :, longest:] = k, v
+        keys, vals, seen = EagleDrafter._committed(rows)
+        keys, vals = torch.cat([keys, k], dim=2), torch.cat([vals, v], dim=2)
+        causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril()  # each path row sees its path so far
+        mask = torch.cat([seen[:, None, None, :].expand(b, 1, m, -1), causal.expand(b, 1, m, m)], dim=-1)
         o = head.layer.finish(masked_attention(q, keys, vals, mask), resid)  # [b, m, H]; rows past a path unread
         last = torch.cat([o[i:i + 1, n - 1:n] for i, n in enumerate(lens)])  # [b, 1, H]
         logits = first._logits(last)
