@@ -67,7 +67,8 @@ from eval.drafters import DeferredSync, HybridDrafter
 from eval.policy import LoadAware
 from heads.base import Drafter, DraftTree, Features
 
-__all__ = ["BatchResult", "BatchRun", "Method", "batched_generate", "interleave_batches", "sweep"]
+__all__ = ["BatchResult", "BatchRun", "Method", "Prefill", "SharedPrefill", "batched_generate", "interleave_batches",
+           "prefill", "sweep"]
 
 
 @dataclass
@@ -136,16 +137,59 @@ def _block(rows: list[_Row], device: torch.device) -> tuple[torch.Tensor, torch.
     return ids.to(device), (parents if tree else None)
 
 
-def _begin(rows: list[_Row], kv: DynamicKV, ids: torch.Tensor, mask: torch.Tensor, sampling: dict[str, Any]) -> None:
-    """Prefill: every row's first token from its last prompt position; drafters begun on their row's features."""
-    logits, feats = kv.run(ids, pad=mask)
+@dataclass
+class Prefill:
+    """The prompts' prefill: the cache holding them (left padded), every row's logits at its last prompt
+    position [B, 1, V], the captured features of every prompt position (None without capture) and the mask."""
+
+    kv: DynamicKV
+    last: torch.Tensor
+    feats: Features | None
+    mask: torch.Tensor
+
+
+def prefill(model: nn.Module, prompts: Sequence[Sequence[int]], pad_id: int,
+            capture: Sequence[int] | None) -> Prefill:
+    """One forward over the left-padded prompts, capturing the layers `capture` names."""
+    ids, mask = left_pad(prompts, pad_id)
+    kv = DynamicKV(model, capture)
+    logits, feats = kv.run(ids, logits_to_keep=1, pad=mask)  # left padded: every row's last position is real
     kv.keep(range(ids.shape[1]))
+    return Prefill(kv, logits, feats, mask)
+
+
+class SharedPrefill:
+    """One prefill of a batch's prompts per set of captured layers, shared by every run on those prompts (the
+    sweep's rounds: plain and each method, every round): each run forks the cache (DynamicKV.fork). A run that
+    captures nothing (plain, the n-gram) takes any one already made. The prefill is the same computation for every
+    run, and the sweep times decoding only, so sharing it changes no token and no timed second; at batch 16
+    on the quickstart's target it was about half of the sweep's time (21 prefills of 5 s)."""
+
+    def __init__(self, model: nn.Module, prompts: Sequence[Sequence[int]], pad_id: int):
+        self.model, self.pad_id = model, pad_id
+        self.prompts = [list(p) for p in prompts]
+        self._made: dict[tuple[int, ...] | None, Prefill] = {}
+
+    def get(self, prompts: Sequence[Sequence[int]], capture: Sequence[int] | None) -> Prefill:
+        """The prefill of `prompts` (which must be this one's) capturing `capture`; made on first use."""
+        if [list(p) for p in prompts] != self.prompts:
+            raise ValueError("SharedPrefill: a run on other prompts than the shared prefill's")
+        key = None if capture is None else tuple(capture)
+        if key is None and self._made:
+            return next(iter(self._made.values()))
+        if key not in self._made:
+            self._made[key] = prefill(self.model, self.prompts, self.pad_id, capture)
+        return self._made[key]
+
+
+def _begin(rows: list[_Row], pre: Prefill, sampling: dict[str, Any]) -> None:
+    """Every row's first token from its last prompt position; drafters begun on their row's features."""
     for i, r in enumerate(rows):
-        r.out.append(judge(EMPTY, logits[i, -1:], generator=r.generator, **sampling).next_token)
+        r.out.append(judge(EMPTY, pre.last[i], generator=r.generator, **sampling).next_token)
         if r.drafter is not None and len(r.out) < r.max_new:
-            cols = mask[i].nonzero().reshape(-1).to(logits.device)
-            prompt = torch.tensor([r.prompt], dtype=torch.long, device=logits.device)  # [1, T], as the decoder passes it
-            r.drafter.begin(prompt, _row_features(feats, i, cols), r.out[0])
+            cols = pre.mask[i].nonzero().reshape(-1).to(pre.last.device)
+            prompt = torch.tensor([r.prompt], dtype=torch.long, device=pre.last.device)  # [1, T], as the decoder passes it
+            r.drafter.begin(prompt, _row_features(pre.feats, i, cols), r.out[0])
 
 
 class BatchRun:
@@ -154,14 +198,14 @@ class BatchRun:
     end; `interleave_batches` advances several pass by pass, so that each one's seconds are its own passes'
     and load drift on a shared machine falls on all of them alike. together=False makes every row draft and
     commit alone (no draft_together / settle_together): what they are worth (scripts/bench_batch.py --together,
-    scripts/gpu_check.py)."""
+    scripts/gpu_check.py). shared: start from that prefill of these prompts (forked) instead of computing one."""
 
     @torch.no_grad()
     def __init__(self, model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int,
                  k: int = 0, make_drafter: Callable[[], Drafter] | None = None,
                  make_policy: Callable[[], DraftPolicy] | None = None, load: LoadAware | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 together: bool = True):
+                 together: bool = True, shared: SharedPrefill | None = None):
         if (k > 0 or make_policy is not None) and make_drafter is None:
             raise ValueError("speculative batches need a drafter factory")
         if load is not None and make_policy is None:
@@ -182,10 +226,15 @@ class BatchRun:
                 r.policy.reset(k)
         if together:
             _hold_commits(self.rows)
-        ids, mask = left_pad(prompts, pad_id)
-        self.kv = DynamicKV(model, self.rows[0].drafter.capture_layers if speculative else None)
+        capture = self.rows[0].drafter.capture_layers if speculative else None
+        if shared is None:
+            pre = prefill(model, prompts, pad_id, capture)
+            self.kv = pre.kv
+        else:
+            pre = shared.get(prompts, capture)
+            self.kv = pre.kv.fork(capture)
         self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-        _begin(self.rows, self.kv, ids, mask, self.sampling)
+        _begin(self.rows, pre, self.sampling)
         self.active = [r for r in self.rows if len(r.out) < max_new_tokens]
         self.finish = {id(r): 0.0 for r in self.rows}
         self.passes, self.forward_s, self.decode_s = 0, 0.0, 0.0
@@ -383,17 +432,18 @@ def _sweep_row(model: nn.Module, batch: list[Sequence[int]], pad_id: int, method
     plain run."""
     # name -> per round it ran: (its result, drafts its gate dropped, that round's plain result)
     runs: dict[str, list[tuple[BatchResult, int, BatchResult]]] = {"plain": [], **{m.name: [] for m in methods}}
+    shared = SharedPrefill(model, batch, pad_id)  # every run of every round starts from the same prefill
     for rep in range(max(repeats, load_aware_repeats)):
         order: list[Method | None] = [None, *(m for m in methods if rep < repeats or m.load_aware)]  # None = plain
         turn = order[rep % len(order):] + order[:rep % len(order)]
         started = []
         for m in turn:
             if m is None:
-                started.append(("plain", BatchRun(model, batch, max_new_tokens, pad_id), None, 0))
+                started.append(("plain", BatchRun(model, batch, max_new_tokens, pad_id, shared=shared), None, 0))
                 continue
             load = loads.get(m.name)
             started.append((m.name, BatchRun(model, batch, max_new_tokens, pad_id, k=m.k, make_drafter=m.make_drafter,
-                                             make_policy=m.make_policy, load=load), load,
+                                             make_policy=m.make_policy, load=load, shared=shared), load,
                             load.gated if load is not None else 0))
         results = interleave_batches([run for _, run, _, _ in started])
         plain_res = next(res for (name, *_), res in zip(started, results) if name == "plain")

@@ -78,6 +78,10 @@ MUTANTS: list[Mutant] = [
            "vals[i, :, :d.n], seen[i, :d.n] = layer[i].keys[0], layer[i].values[0], True",
            "vals[i, :, :d.n], seen[i, :] = layer[i].keys[0], layer[i].values[0], True",
            ("tests/test_eagle.py", "-k", "settling_together or drafting_together")),
+    Mutant("kv_fork_shares_the_prefill", "data/kvcache.py",
+           "        twin.cache = copy.deepcopy(self.cache)",
+           "        twin.cache = self.cache",
+           ("tests/test_batch.py", "-k", "shared_prefill")),
     Mutant("eagle_chain_reports_untempered_q", "heads/eagle/drafting.py",
            "        return tok, None if q is None else self.head.to_target_probs(q, self.target.vocab_size)",
            "        return tok, None if q is None else self.head.to_target_probs(torch.softmax(logits, dim=-1), "

@@ -19,7 +19,7 @@ from test_policy import PROMPT4, head4, vocab4_model  # noqa: F401  (fixtures)
 import eval.decoder as decoder
 from data.config import load_config
 from data.kvcache import DynamicKV, left_pad
-from eval.batch import BatchRun, Method, batched_generate, interleave_batches, sweep
+from eval.batch import BatchRun, Method, SharedPrefill, batched_generate, interleave_batches, sweep
 from eval.costs import DraftCost, VerifyCost, place_head
 from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter
 from eval.policy import AdaptivePolicy, LoadAware
@@ -187,6 +187,34 @@ def test_batched_heads_of_every_family_are_greedy_identical(tiny_target, family_
     spec = batched_generate(model, prompts, n, tok.pad_token_id, k=2, make_drafter=drafter)
     assert torch.equal(spec.tokens, plain.tokens)
     assert spec.stats.drafted_tokens > 0
+
+
+def test_runs_from_one_shared_prefill_are_the_runs_that_prefill_alone(tiny_target, family_heads):
+    """The sweep's runs start from one prefill of their prompts (SharedPrefill, forked per run): plain and the
+    EAGLE-3 head + n-gram make the same tokens, passes and acceptance as runs that prefill for themselves,
+    and one prefill per set of captured layers serves every round; a run on other prompts is refused."""
+    model, tok, io = tiny_target
+    prompts = _prompts(tok, 3) + [_prompts(tok, 4)[3] * 2]
+    make = registry.get("eagle3").drafter_factory(copy.deepcopy(family_heads["eagle3"]), io, "auto", 2)
+
+    def hybrid():
+        return HybridDrafter(make())
+
+    def runs(shared):
+        return interleave_batches([BatchRun(model, prompts, 12, tok.pad_token_id, shared=shared),
+                                   BatchRun(model, prompts, 12, tok.pad_token_id, k=2, make_drafter=hybrid, shared=shared)])
+
+    own_plain, own_spec = runs(None)
+    shared = SharedPrefill(model, prompts, tok.pad_token_id)
+    for _ in range(2):  # the second round forks a prefill that the first round's runs went on from
+        plain, spec = runs(shared)
+        assert torch.equal(plain.tokens, own_plain.tokens) and torch.equal(spec.tokens, own_spec.tokens)
+        assert spec.passes == own_spec.passes and spec.stats.drafted_tokens == own_spec.stats.drafted_tokens > 0
+        assert spec.stats.accepted_per_position == own_spec.stats.accepted_per_position
+    assert torch.equal(own_plain.tokens, own_spec.tokens)
+    assert len(shared._made) == 2  # one prefill per set of captured layers (plain's, the head's) for both rounds
+    with pytest.raises(ValueError, match="other prompts"):
+        BatchRun(model, prompts[:2], 12, tok.pad_token_id, shared=shared)
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["head", "head+ngram"])
