@@ -29,8 +29,14 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 ./scripts/setup_env.sh
 PY=.venv/bin/python
 mkdir -p "$OUT"
-STEP_ARGS=()
-[ -n "${QS_STEPS:-}" ] && STEP_ARGS=("--train.max_steps=$QS_STEPS")
+TRAIN_ARGS=()
+[ -n "${QS_STEPS:-}" ] && TRAIN_ARGS=("--train.max_steps=$QS_STEPS")
+# The recipe trains under bf16 autocast, which pays where the CPU multiplies bf16 natively; elsewhere the
+# kernels emulate it, slower than float32, so such a CPU trains in float32 (Linux reports the flags).
+if [ -r /proc/cpuinfo ] && ! grep -qwE 'avx512_bf16|amx_bf16|bf16' /proc/cpuinfo; then
+  echo "this CPU has no native bfloat16: training in float32 (--train.mixed_precision=no)"
+  TRAIN_ARGS+=("--train.mixed_precision=no")
+fi
 
 stage() { echo "== $1"; STAGE_START=$SECONDS; }
 took() { echo "-- took $((SECONDS - STAGE_START)) s"; }
@@ -53,13 +59,13 @@ case "$FAMILY" in
   eagle3)
     stage "4/5 train the EAGLE-3 head"
     $PY train/eagle.py --config "$CONFIG" --out "$OUT" --data.path="$OUT/regenerated.jsonl" \
-      --resume auto "${STEP_ARGS[@]}" ;;
+      --resume auto "${TRAIN_ARGS[@]}" ;;
   dflash)  # the same store (EAGLE-3's captured layers), given absolute: relative stores go under --out
     HEAD_OUT="$OUT/dflash"
     stage "4/5 train the DFlash block drafter"
     $PY -m train --config configs/smollm2-135m-dflash.yaml --out "$HEAD_OUT" \
       --data.path="$OUT/regenerated.jsonl" --features.store="$(cd "$OUT" && pwd)/features" \
-      --resume auto "${STEP_ARGS[@]}" ;;
+      --resume auto "${TRAIN_ARGS[@]}" ;;
   *) echo "QS_FAMILY must be eagle3 or dflash, got '$FAMILY'" >&2; exit 2 ;;
 esac
 took

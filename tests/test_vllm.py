@@ -397,7 +397,8 @@ def test_online_training_through_vllm_follows_the_transformers_stream(tmp_path):
              "--data.path=data/bundled/tiny_conversations.jsonl", "--data.max_samples=12", "--data.holdout_fraction=0",
              "--features.mode=online", "--train.max_steps=3", "--train.batch_size=4", "--train.log_every=1",
              "--train.eval_every=1000", "--train.checkpoint_every=1000", "--logging.wandb_mode=disabled",
-             "--features.vllm_check_samples=2", "--head.draft_vocab_size=128"]
+             "--features.vllm_check_samples=2", "--head.draft_vocab_size=128",
+             "--train.mixed_precision=no"]  # float32 steps: the comparison is of the two feature streams
     losses = {}
     for engine in ("transformers", "vllm"):
         r = _run([*train, f"--features.engine={engine}", "--out", str(tmp_path / engine)], timeout=900)
