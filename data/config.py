@@ -432,7 +432,9 @@ def to_dict(obj: Any) -> Any:
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """A safe YAML loader that refuses duplicate keys (plain YAML silently keeps the last one) and reads
-    `3e-4` as a float (YAML 1.2; PyYAML's YAML 1.1 wants a dot and would read the string '3e-4')."""
+    `3e-4` as a float and only true / false as booleans (YAML 1.2; PyYAML's YAML 1.1 wants a dot in a float
+    and would read the string '3e-4', and reads yes / no / on / off as booleans, so `--train.mixed_precision=no`
+    would have been False)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
@@ -447,6 +449,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 _UniqueKeyLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in _UniqueKeyLoader.yaml_implicit_resolvers.items()}
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 MAX_YAML_DEPTH = 32  # far deeper than any config; the composer recurses per level

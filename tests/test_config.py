@@ -58,6 +58,19 @@ def test_dotted_overrides_and_saved_config(tmp_path: Path) -> None:
     assert again == cfg
 
 
+def test_yes_no_on_off_are_strings_as_in_yaml_1_2(tmp_path: Path) -> None:
+    """`no` is one of train.mixed_precision's choices: YAML 1.1 (PyYAML's default) would read it as False, on the
+    command line (scripts/quickstart.sh passes --train.mixed_precision=no on a CPU without bfloat16) and in a
+    file. Only true / false are booleans; `yes` for a boolean key is refused, naming it."""
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  mixed_precision: no\n  keep_best: true\n")
+    assert load_config(p).train.mixed_precision == "no" and load_config(p).train.keep_best is True
+    assert load_config(None, ["--train.mixed_precision=no"]).train.mixed_precision == "no"
+    assert load_config(None, ["--train.keep_best=False"]).train.keep_best is False
+    with pytest.raises(ConfigError, match="'train.keep_best': should be a valid boolean, got 'yes'"):
+        load_config(None, ["--train.keep_best=yes"])
+
+
 def test_duplicate_key_is_an_error(tmp_path: Path) -> None:
     p = tmp_path / "dup.yaml"
     p.write_text("features:\n  mode: offline\ntrain:\n  epochs: 1\nfeatures:\n  mode: online\n")
