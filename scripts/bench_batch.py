@@ -58,7 +58,7 @@ from data.config import TargetConfig, load_config  # noqa: E402
 from data.kvcache import timed_pass  # noqa: E402
 from data.regenerate import render_rows  # noqa: E402
 from data.target import load_target  # noqa: E402
-from eval.batch import BatchRun, interleave_batches  # noqa: E402
+from eval.batch import BatchRun, SharedPrefill, interleave_batches  # noqa: E402
 from eval.costs import DRAFT_DTYPES, DraftCost, VerifyCost, context_cache, place_head  # noqa: E402
 from eval.decoder import interleave, plain_steps, speculative_steps  # noqa: E402
 from eval.drafters import DeferredSync, HybridDrafter  # noqa: E402
@@ -171,10 +171,11 @@ def _together(model, rows, pad, make_head, n: int, k: int, repeats: int) -> dict
     rates: dict[str, list[float]] = {"plain": [], "together": [], "alone": []}
     ratios: dict[str, list[float]] = {"together": [], "alone": []}
     same = True
+    shared = SharedPrefill(model, rows, pad)  # decoding alone is timed: every run forks one prefill of the rows
     for r in range(repeats):
-        runs = {"plain": BatchRun(model, rows, n, pad),
-                "together": BatchRun(model, rows, n, pad, k=k, make_drafter=make_head),
-                "alone": BatchRun(model, rows, n, pad, k=k, make_drafter=make_head, together=False)}
+        runs = {"plain": BatchRun(model, rows, n, pad, shared=shared),
+                "together": BatchRun(model, rows, n, pad, k=k, make_drafter=make_head, shared=shared),
+                "alone": BatchRun(model, rows, n, pad, k=k, make_drafter=make_head, together=False, shared=shared)}
         order = list(runs) if r % 2 == 0 else list(runs)[::-1]  # who steps first alternates by repeat
         res = dict(zip(order, interleave_batches([runs[m] for m in order])))
         for m in rates:
