@@ -6,8 +6,9 @@ accepts the same flags:
     python train/eagle.py --config configs/tiny-eagle.yaml --optim.lr=3e-4 --head.ttt_length=3 --out runs/x
 
 Values read as YAML 1.2 does: `3e-4` is a float, only true / false are booleans (`no`, `off` stay strings, so
-`--train.mixed_precision=no` is the choice "no"). The sections are plain dataclasses (building one in code checks
-nothing); `load_config` validates the YAML
+`--train.mixed_precision=no` is the choice "no").
+
+The sections are plain dataclasses (building one in code checks nothing); `load_config` validates the YAML
 tree against them with pydantic: unknown keys (`extra="forbid"`), strict types (no "5" for an int, no 1 for a
 bool), closed sets of strings (`Literal[...]`: every choice such as `eval.policy` or `regenerate.engine` is
 checked here, not where it is used) and ranges (`Field(gt=0)`, ... in the annotations). A failure raises
