@@ -13,7 +13,8 @@ the exporter only adds a prefix: `blocks.{i}.layers.{j}.weight` / `.bias` ([H, H
 
 Training: `python train/medusa.py --config configs/tiny-medusa.yaml --out runs/medusa-tiny`.
 Drafting: `MedusaDrafter` proposes a static tree (a Medusa choices list) verified by eval.decoder;
-`drafter_factory` maps eval.tree onto it (auto/static: the configured tree, chain: the rank-0 path).
+`drafter_factory` maps eval.tree onto it (auto/static: the configured tree, chain: the rank-0 path);
+`MedusaDrafter.draft_together` drafts the trees of the batched decoder's rows (eval.batch) in one pass of each head.
 """
 
 from __future__ import annotations
@@ -173,23 +174,53 @@ class MedusaDrafter:
             if self.tree.depth > num_heads:
                 raise ValueError(f"Medusa tree has depth {self.tree.depth} but the head has only {num_heads} heads")
         self.last: torch.Tensor | None = None
+        self.ready: tuple[int, float, DraftTree] | None = None  # (k, temperature, tree) from draft_together
 
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
         if features is None:
             raise ValueError("MedusaDrafter needs the target's last hidden states (capture_layers = ())")
-        self.last = features.last[0, -1]
+        self.last, self.ready = features.last[0, -1], None
+
+    def _tree(self, k: int) -> StaticTree:
+        return self.tree if k >= self.tree.depth else self.tree.truncate(k)
+
+    def _build(self, tree: StaticTree, logits: torch.Tensor, temperature: float) -> DraftTree:
+        """The tree from its heads' logits [depth, V]."""
+        candidates = logits.topk(tree.topk, dim=-1).indices  # temperature does not change the ranking
+        probs = draft_distribution(logits, temperature) if temperature > 0 else None
+        return tree.build(candidates, probs)
 
     @torch.no_grad()
     def draft(self, k: int, temperature: float) -> DraftTree:
         if self.last is None:
             raise RuntimeError("MedusaDrafter.draft called before begin")
+        ready, self.ready = self.ready, None
+        if ready is not None and ready[:2] == (k, temperature):
+            return ready[2]
         if k < 1:
             return DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.last.device))
-        tree = self.tree if k >= self.tree.depth else self.tree.truncate(k)
-        logits = self.head(self.last, heads=tree.depth).float()  # [depth, V]
-        candidates = logits.topk(tree.topk, dim=-1).indices  # temperature does not change the ranking
-        probs = draft_distribution(logits, temperature) if temperature > 0 else None
-        return tree.build(candidates, probs)
+        tree = self._tree(k)
+        return self._build(tree, self.head(self.last, heads=tree.depth).float(), temperature)  # [depth, V]
+
+    @staticmethod
+    @torch.no_grad()
+    def draft_together(drafters: list[MedusaDrafter], ks: list[int], temperature: float) -> None:
+        """Draft the trees of several requests at once (the batched decoder's rows: eval.batch): one pass of
+        each head over all their last states, per Medusa head; drafter i's next draft(ks[i], temperature)
+        returns its tree, the one its own draft would make. On a memory-bound device a head's full-vocabulary
+        LM head is read once for the batch instead of once a request."""
+        by_head: dict[int, list[tuple[MedusaDrafter, int]]] = {}
+        for d, k in zip(drafters, ks):
+            if k > 0 and d.last is not None:
+                by_head.setdefault(id(d.head), []).append((d, k))
+        for rows in by_head.values():
+            if len(rows) < 2:
+                continue
+            trees = [d._tree(k) for d, k in rows]
+            lasts = torch.stack([d.last for d, _ in rows])
+            logits = rows[0][0].head(lasts, heads=max(t.depth for t in trees)).float()  # [depth, requests, V]
+            for r, ((d, k), tree) in enumerate(zip(rows, trees)):
+                d.ready = (k, temperature, d._build(tree, logits[:tree.depth, r], temperature))
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
         self.commit_tokens(accepted, features, next_token)  # only the path's length matters here
@@ -197,7 +228,7 @@ class MedusaDrafter:
     def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
         if features is None or features.last.shape[1] != len(tokens) + 1:
             raise ValueError(f"commit: expected features for {len(tokens) + 1} positions")
-        self.last = features.last[0, -1]  # the last accepted node (or the old root): the new root's parent
+        self.last, self.ready = features.last[0, -1], None  # the last accepted node (or the old root)
 
 
 def drafter(head: MedusaHead, target: TargetIO, tree: list[list[int]] | None = None) -> MedusaDrafter:

@@ -3,6 +3,7 @@
     python scripts/bench_batch.py --head runs/quickstart/head --json out.json --threads 1
     python scripts/bench_batch.py --batch-sizes 1,4,16 --new-tokens 48 --repeats 5   # a fresh EAGLE-3 head
     python scripts/bench_batch.py --head runs/quickstart/head --together --k 3 --threads 0   # only the table below
+    python scripts/bench_batch.py --config configs/smollm2-135m-dflash.yaml --together --k 3   # a fresh DFlash head
 
 Where the policy turns drafting off, speculative decoding must cost what plain decoding costs. Per prompt and
 repeat, the two runs pass-interleaved (one pass of each in turn, each timed over its own passes; plain steps
@@ -18,8 +19,9 @@ the per-repeat ratios (`off_vs_plain`, the bound is 1.01) with their range, and 
 identical. Interleaving puts a machine's drift on both runs alike; the drafting-off pass is also taken apart
 into what it adds: the seconds per pass outside the target's
 forward (drafting, gating, commits, bookkeeping) of both runs, and the forward with the head's capture
-against the forward without it, timed pass by pass alternately. Without --head a fresh EAGLE-3 head of
-configs/smollm2-135m.yaml's shape is built on the target (its weights do not matter: it never drafts).
+against the forward without it, timed pass by pass alternately. Without --head a fresh head of --config's
+family and shape (default configs/smollm2-135m.yaml: EAGLE-3) is built on the target (its weights do not matter
+for a drafting-off pass, which never drafts, nor for --together's seconds, which draft the same rows either way).
 
 JSON keys: threads, target, head, new_tokens, rows: [{setting, batch_size, plain_pass_ms, off_pass_ms,
 off_vs_plain, off_vs_plain_range, identical, drafted_tokens, plain_outside_ms, off_outside_ms: seconds per pass
@@ -29,10 +31,11 @@ explains}], capture: [{batch_size, plain_forward_ms, capture_forward_ms, capture
 and without the head's capture, timed pass by pass alternately (what remains of a drafting-off pass inside
 the forward, at the prompts' context).
 
-`--together` runs only this: at a fixed k, the head's batched decoding with the rows' chains drafted and their
-commits settled together (EagleDrafter.draft_together / settle_together: one head pass per depth and one per
-commit for the whole batch) against the same rows drafting and committing one after another (the before:
-BatchRun(together=False)), and plain, the three pass-interleaved, per batch size and repeat. JSON key together:
+`--together` runs only this: at a fixed k, the head's batched decoding with the rows' drafts made and their
+commits settled together (the family's draft_together / settle_together: EAGLE's one head pass per depth and one
+per commit for the whole batch, DFlash's one block pass and one context projection, Medusa's one pass of each
+head) against the same rows drafting and committing one after another (the before: BatchRun(together=False)),
+and plain, the three pass-interleaved, per batch size and repeat. JSON key together:
 [{batch_size, k, plain_tok_s, together_tok_s, alone_tok_s, together_vs_plain, alone_vs_plain (medians of the
 per-repeat ratios), identical}].
 """
@@ -114,9 +117,10 @@ def _head_factory(args, io, device, dtype):
     if args.head:
         head, cfg, _ = load_head(args.head, io)
     else:
-        cfg = load_config(ROOT / "configs" / "smollm2-135m.yaml").head
-        # the quickstart's shape, its draft vocabulary capped at a smaller target's vocabulary
-        cfg.draft_vocab_size = min(cfg.draft_vocab_size, io.vocab_size)
+        cfg = load_config(args.config).head
+        # the config's shape, its draft vocabulary (EAGLE-3, DFlash) capped at a smaller target's vocabulary
+        if getattr(cfg, "draft_vocab_size", None):
+            cfg.draft_vocab_size = min(cfg.draft_vocab_size, io.vocab_size)
         torch.manual_seed(0)
         head = registry.get(cfg.family).build(cfg, io)
     place_head(head, device, dtype, args.draft_dtype)
@@ -191,7 +195,10 @@ def _together(model, rows, pad, make_head, n: int, k: int, repeats: int) -> dict
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--head", help="a head folder (default: a fresh EAGLE-3 head of the quickstart's shape)")
+    ap.add_argument("--head", help="a head folder (default: a fresh head of --config's family and shape)")
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-135m.yaml",
+                    help="without --head: the config whose head a fresh head is built from (default: the quickstart's "
+                         "EAGLE-3)")
     ap.add_argument("--batch-sizes", default="4,16", help="batched settings (comma-separated)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 args.repeats))
     capture = make_head().capture_layers
     forwards = [_capture_cost(model, capture, b, len(rows[0]), 8 * args.repeats) for b in [1, *sizes]]
-    print(f"target {args.target}, head {args.head or 'fresh EAGLE-3 (never drafts)'}, {torch.get_num_threads()} "
+    print(f"target {args.target}, head {_head_name(args)} (never drafts), {torch.get_num_threads()} "
           f"threads, {n} new tokens per row, median of {args.repeats}")
     print("| setting | plain ms/pass | drafting off ms/pass | off / plain (range) | outside the forward ms/pass, "
           "plain / off | of which the loop | identical | drafted tokens |")
@@ -242,11 +249,15 @@ def main(argv: list[str] | None = None) -> dict:
     for f in forwards:
         print(f"| {f['batch_size']} | {f['plain_forward_ms']:.1f} | {f['capture_forward_ms']:.1f} | "
               f"{f['capture_vs_plain']:.3f}x |")
-    out = {"threads": torch.get_num_threads(), "target": args.target, "head": args.head, "new_tokens": n,
+    out = {"threads": torch.get_num_threads(), "target": args.target, "head": _head_name(args), "new_tokens": n,
            "rows": results, "capture": forwards}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return out
+
+
+def _head_name(args) -> str:
+    return str(args.head) if args.head else f"fresh, of {args.config.name}"
 
 
 def _together_table(args, model, rows, pad, make_head, sizes: list[int]) -> dict:
@@ -254,7 +265,7 @@ def _together_table(args, model, rows, pad, make_head, sizes: list[int]) -> dict
         raise UserError("--k must be >= 1")
     table = [_together(model, [rows[i % len(rows)] for i in range(b)], pad, make_head, args.new_tokens, args.k,
                        args.repeats) for b in sizes]
-    print(f"target {args.target}, head {args.head or 'fresh EAGLE-3'}, {torch.get_num_threads()} threads, "
+    print(f"target {args.target}, head {_head_name(args)}, {torch.get_num_threads()} threads, "
           f"{args.new_tokens} new tokens per row, k {args.k}, median of {args.repeats}")
     print("| batch | plain tok/s | together tok/s | one after another tok/s | together / plain | "
           "one after another / plain | identical |")
@@ -262,7 +273,7 @@ def _together_table(args, model, rows, pad, make_head, sizes: list[int]) -> dict
     for t in table:
         print(f"| {t['batch_size']} | {t['plain_tok_s']:.1f} | {t['together_tok_s']:.1f} | {t['alone_tok_s']:.1f} | "
               f"{t['together_vs_plain']:.3f}x | {t['alone_vs_plain']:.3f}x | {'yes' if t['identical'] else 'NO'} |")
-    out = {"threads": torch.get_num_threads(), "target": args.target, "head": args.head,
+    out = {"threads": torch.get_num_threads(), "target": args.target, "head": _head_name(args),
            "new_tokens": args.new_tokens, "together": table}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))

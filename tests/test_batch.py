@@ -289,6 +289,68 @@ def test_policy_rows_draft_and_catch_up_together(tiny_target, family_heads, hybr
     assert batched > 0 and not any(b > 1 for b in rows)
 
 
+def _together_head(family, io, family_heads):
+    """The head of the tiny config of a family whose rows draft together; dspark: DFlash's with DSpark's layout
+    and a Markov head (its slots drawn one by one, every row's bias of a slot in one call)."""
+    if family != "dspark":
+        return copy.deepcopy(family_heads[family])
+    cfg = load_config(ROOT / registry.get("dflash").tiny).head
+    cfg.sample_from_anchor, cfg.markov_rank = True, 8
+    torch.manual_seed(1)
+    head = registry.get("dflash").build(cfg, io)
+    torch.nn.init.normal_(head.markov_head.markov_w2.weight, std=0.5)  # a bias that moves the draws
+    return head
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("family", ["dflash", "dspark", "medusa"])
+def test_fixed_k_rows_of_block_and_medusa_heads_draft_together(tiny_target, family_heads, family, temperature,
+                                                                 monkeypatch):
+    """A DFlash head's rows draft their blocks in one block pass for the batch (DFlashDrafter.draft_together, its
+    held commits projected in one pass: settle_together); a Medusa head's trees come from one pass of each head.
+    The run is the run of the rows drafting one after another: the same tokens (sampled rows: the same draws of
+    each row's generator), passes and acceptance, with head passes over several requests."""
+    model, tok, io = tiny_target
+    prompts = _prompts(tok, 3) + [_prompts(tok, 4)[3] * 2]
+    head = _together_head(family, io, family_heads)
+    seeds = itertools.count()
+    if family == "medusa":  # top-k trees: no draws
+        make = registry.get(family).drafter_factory(head, io, "auto", 3)
+    else:  # each row's drafter its own generator (from the global one, a Markov head's rows would interleave)
+        from heads.dflash import drafter as dflash_drafter
+
+        def make():
+            return dflash_drafter(head, io, generator=torch.Generator().manual_seed(next(seeds)))
+    cls = type(make())
+    widths = []  # the batch width of every drafting pass of the head
+    if family == "medusa":
+        real = type(head).forward
+        monkeypatch.setattr(type(head), "forward", lambda self, last, heads=None: widths.append(
+            1 if last.dim() == 1 else last.shape[0]) or real(self, last, heads))
+    else:
+        real = type(head).block_states
+        monkeypatch.setattr(type(head), "block_states", lambda self, emb, *a: widths.append(emb.shape[0])
+                            or real(self, emb, *a))
+    run = dict(k=3, make_drafter=make, temperature=temperature, top_k=0 if temperature == 0 else 20, seed=7)
+    seeds = itertools.count()
+    together = batched_generate(model, prompts, 14, tok.pad_token_id, **run)
+    batched = list(widths)
+    widths.clear()
+    monkeypatch.setattr(cls, "draft_together", None)
+    if hasattr(cls, "settle_together"):
+        monkeypatch.setattr(cls, "settle_together", None)
+    seeds = itertools.count()
+    alone = batched_generate(model, prompts, 14, tok.pad_token_id, **run)
+    assert torch.equal(together.tokens, alone.tokens) and together.passes == alone.passes
+    assert together.stats.drafted_tokens == alone.stats.drafted_tokens > 0
+    assert together.stats.accepted_per_position == alone.stats.accepted_per_position
+    assert max(batched) == len(prompts) and set(widths) == {1}  # together: the batch's blocks in one pass
+    assert len(batched) < len(widths)
+    if temperature == 0:
+        plain = batched_generate(model, prompts, 14, tok.pad_token_id)
+        assert torch.equal(together.tokens, plain.tokens)
+
+
 def _policy(sources=("draft",), prior=0.9):
     verify = VerifyCost({1: 0.05, 2: 0.055, 4: 0.06, 8: 0.07, 16: 0.09}, context_len=64)
     return AdaptivePolicy(verify, {s: DraftCost(0.0005, 0.0002) for s in sources}, {s: [prior] * 4 for s in sources})
@@ -913,14 +975,18 @@ def test_bench_batch_runs_on_the_tiny_target(tmp_path):
         assert r["loop_vs_plain"] == 1 + (r["off_outside_ms"] - r["plain_outside_ms"]) / r["plain_pass_ms"]
 
 
-def test_bench_batch_together_compares_drafting_together_with_row_by_row(tmp_path):
-    """scripts/bench_batch.py --together on the tiny target: both fixed-k runs match plain token for token."""
+@pytest.mark.parametrize("config", [None, "tiny-dflash.yaml", "tiny-medusa.yaml"])
+def test_bench_batch_together_compares_drafting_together_with_row_by_row(tmp_path, config):
+    """scripts/bench_batch.py --together on the tiny target, a fresh head of the quickstart's EAGLE-3 shape or of
+    a tiny config of another family: both fixed-k runs match plain token for token."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_batch", ROOT / "scripts" / "bench_batch.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = mod.main(["--target", "tiny-random-llama", "--together", "--k", "2", "--batch-sizes", "1,3",
-                    "--new-tokens", "6", "--repeats", "2"])
+                    "--new-tokens", "6", "--repeats", "2"] + ([] if config is None else
+                                                              ["--config", str(ROOT / "configs" / config)]))
     assert [t["batch_size"] for t in out["together"]] == [1, 3]
     assert all(t["identical"] and t["together_tok_s"] > 0 and t["alone_tok_s"] > 0 for t in out["together"])
+    assert out["head"] == f"fresh, of {config or 'smollm2-135m.yaml'}"

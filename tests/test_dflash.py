@@ -10,7 +10,9 @@ chain's reported q against each slot's law given the tokens drawn before it, the
 Planted bugs each fail here (scripts/check_mutants.py, `dflash_*`): a causal mask inside the block
 (`block_attention`'s own-block scores), a block seeing the context at its own anchor (`<` -> `<=` in
 `context_mask`), labels shifted by one, the anchor's slot never drafting under sample_from_anchor, the Markov
-bias reading the predicted token instead of the one before it, the drafter's chain biased by a stale token.
+bias reading the predicted token instead of the one before it, the drafter's chain biased by a stale token,
+a block drafted together seeing another request's padded context, held commits projected at another request's
+positions.
 
     .venv/bin/python -m pytest -q tests/test_dflash.py
 """
@@ -252,6 +254,92 @@ def test_a_markov_chain_reports_each_slots_law_given_the_tokens_drawn_before_it(
         torch.testing.assert_close(tree.probs, want)
         firsts.add(int(tree.tokens[0]))
     assert len(firsts) > 1  # the draws differ, so later slots were biased by different tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("variant", ["dflash", "dspark"])
+def test_drafting_together_equals_each_requests_own_draft(tiny_target, variant, temperature):
+    """DFlashDrafter.draft_together (the batched decoder's rows, one block pass for all): requests with
+    contexts of different lengths and different draft lengths get the chain their own draft makes, sampled ones
+    from their own generator with the same q (with a Markov head, each slot biased by its own chain's token);
+    a request of another head drafts with its own head; a chain made together is for the length it was made
+    for. A block seeing another request's padded context keys fails it (mutant dflash_together_sees_padded_keys)."""
+    model, _, io = tiny_target
+    _, head = _head(io, seed=2, **VARIANTS[variant])
+    torch.manual_seed(1)
+    ids = torch.randint(0, io.vocab_size, (1, 16))
+    feats, _ = forward_features(model, ids, None, LAYERS)
+
+    def begun(n: int, seed: int, h=head):
+        d = dflash.drafter(h, io, generator=torch.Generator().manual_seed(seed))
+        d.begin(ids[:, :n], feats.slice(0, n), int(ids[0, n]))
+        return d
+
+    lengths, ks = [5, 11, 8, 3], [3, 1, 4, 0]
+    alone = [begun(n, 10 + i) for i, n in enumerate(lengths)]
+    together = [begun(n, 10 + i) for i, n in enumerate(lengths)]
+    dflash.DFlashDrafter.draft_together(together, ks, temperature)
+    assert together[3].ready is None  # drafts nothing: left alone
+    for a, t, k in zip(alone, together, ks):
+        want, got = a.draft(k, temperature), t.draft(k, temperature)
+        m = min(k, head.block_size - head.first_slot)
+        assert got.tokens.tolist() == want.tokens.tolist() and len(got) == m
+        assert (got.probs is None) == (want.probs is None)
+        if want.probs is not None:
+            torch.testing.assert_close(got.probs, want.probs, rtol=1e-4, atol=1e-6)
+        assert t.n == a.n and t.ready is None
+    # requests of two heads in one call: each drafted with its own head
+    _, other = _head(io, seed=3, **VARIANTS[variant])
+    mixed, solo = [begun(5, 1), begun(9, 2, other)], begun(9, 2, other)
+    dflash.DFlashDrafter.draft_together([*mixed, begun(7, 3)], [3, 3, 3], temperature)
+    assert mixed[1].ready is None  # the only request of its head: left to its own draft
+    assert mixed[1].draft(3, temperature).tokens.tolist() == solo.draft(3, temperature).tokens.tolist()
+    dflash.DFlashDrafter.draft_together(together, [2, 2, 2, 2], temperature)
+    assert len(together[0].draft(1, temperature)) == 1 and together[0].ready is None
+
+
+def test_settling_together_equals_each_requests_own_commits(tiny_target):
+    """DFlashDrafter.settle_together (the batched decoder's held commits): requests with contexts of different
+    lengths, each holding two commits of different lengths, end with the context keys their own commits make,
+    in one projection for the batch; a held commit is projected by the request's own next draft. Keys at other
+    positions than a request's own (mutant dflash_settle_at_the_first_requests_positions) fail it."""
+    model, _, io = tiny_target
+    _, head = _head(io, seed=2)
+    torch.manual_seed(1)
+    ids = torch.randint(0, io.vocab_size, (1, 24))
+    feats, _ = forward_features(model, ids, None, LAYERS)
+
+    def begun(n: int, hold: bool):
+        d = dflash.drafter(head, io)
+        d.hold = hold
+        d.begin(ids[:, :n], feats.slice(0, n), int(ids[0, n]))
+        return d
+
+    starts, paths = [5, 11, 8, 3], [(3, 2), (1, 4), (4, 1), (2, 3)]
+    alone, together = [begun(n, False) for n in starts], [begun(n, True) for n in starts]
+    for drafters in (alone, together):
+        for d, n, (m1, m2) in zip(drafters, starts, paths):  # two paths: features at n .. n+m1+m2-1
+            d.commit_tokens(ids[0, n + 1:n + m1].tolist(), feats.slice(n, n + m1), int(ids[0, n + m1]))
+            o = n + m1
+            d.commit_tokens(ids[0, o + 1:o + m2].tolist(), feats.slice(o, o + m2), int(ids[0, o + m2]))
+    assert all(len(t.held) == 2 and t.n == n for t, n in zip(together, starts))
+    calls = []
+    real = type(head).context_kv
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(head), "context_kv", lambda self, aux, *a: calls.append(aux.shape[1]) or real(self, aux, *a))
+        dflash.DFlashDrafter.settle_together(together)
+    assert calls == [sum(m1 + m2 for m1, m2 in paths)]  # every request's held positions in one projection
+    for a, t in zip(alone, together):
+        assert not t.held and t.n == a.n and t.anchor == a.anchor
+        for (ka, va), (kt, vt) in zip(a.ctx, t.ctx):
+            torch.testing.assert_close(kt, ka, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(vt, va, rtol=1e-4, atol=1e-5)
+        assert t.draft(3, 0.0).tokens.tolist() == a.draft(3, 0.0).tokens.tolist()
+    d, ref = begun(6, True), begun(6, False)
+    for x in (d, ref):
+        x.commit_tokens([int(ids[0, 7])], feats.slice(6, 8), int(ids[0, 8]))
+    assert d.n == 6 and len(d.held) == 1
+    assert d.draft(3, 0.0).tokens.tolist() == ref.draft(3, 0.0).tokens.tolist() and d.n == ref.n == 8
 
 
 @pytest.mark.parametrize("variant", ["dflash", "dspark"])

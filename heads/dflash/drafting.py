@@ -14,6 +14,14 @@ only on the prefix and the chain before it (argmax at temperature 0), which is w
 needs. Nothing drafted is ever kept: `commit` / `commit_tokens` append the target's features of the accepted
 positions to the context, whatever path (head or n-gram) was accepted.
 
+Several requests at once (the batched decoder's rows, eval.batch): `DFlashDrafter.draft_together(drafters, ks,
+temperature)` runs their blocks in ONE pass (each request's context keys padded to the longest and masked, its
+block at its own positions), and each drafter's next `draft` returns its chain, drawn as its own draft would
+(its own generator, slot by slot with a Markov head, the bias of every request's slot in one call). A drafter
+with `hold` set keeps its commits' features until its next draft or `DFlashDrafter.settle_together(drafters)`,
+which projects the held positions of several requests into context keys in one pass (the projection is
+position-wise, so the keys are the ones each request's own commit makes).
+
 Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py tests/test_sampling_drafters.py -k "dflash or dspark"`.
 """
 
@@ -41,22 +49,41 @@ class DFlashDrafter:
         self.ctx: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.n = 0
         self.anchor: int | None = None
+        self.ready: tuple[int, float, DraftTree] | None = None  # (drafted length, temperature, chain): draft_together
+        # hold: commits' features wait (held, in order) until the next draft or settle_together, which projects
+        # the held positions of several requests in one pass (the batched decoder sets it: eval.batch)
+        self.hold = False
+        self.held: list[torch.Tensor] = []
 
-    def _extend(self, features: Features | None, m: int) -> None:
-        """Append the context keys/values of m new positions (n..n+m-1) from the target's features."""
+    @staticmethod
+    def _aux(features: Features | None, m: int) -> torch.Tensor:
+        """The captured layers [1, m, n*H] of m new positions, checked."""
         if features is None or features.aux is None or features.aux.shape[1] != m:
             got = None if features is None or features.aux is None else features.aux.shape[1]
             raise ValueError(f"DFlash drafter: expected aux features for {m} positions, got {got}")
-        pos = torch.arange(self.n, self.n + m, device=self.device)[None]
-        new = self.head.context_kv(features.aux.to(self.device), pos, self.target)
+        return features.aux
+
+    def _append(self, new: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append each layer's keys/values of new positions to the context."""
         self.ctx = new if not self.ctx else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
                                              for (k0, v0), (k1, v1) in zip(self.ctx, new)]
-        self.n += m
+        self.n += new[0][0].shape[2]
+
+    def _extend(self, aux: torch.Tensor) -> None:
+        """Append the context keys/values of the new positions n.. of these captured layers."""
+        pos = torch.arange(self.n, self.n + aux.shape[1], device=self.device)[None]
+        self._append(self.head.context_kv(aux.to(self.device), pos, self.target))
+
+    def _settle(self) -> None:
+        """Project the held commits' positions, if any."""
+        if self.held:
+            held, self.held = self.held, []
+            self._extend(torch.cat(held, dim=1) if len(held) > 1 else held[0])
 
     @torch.no_grad()
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
-        self.ctx, self.n = [], 0
-        self._extend(features, prompt_ids.numel())
+        self.ctx, self.n, self.ready, self.held = [], 0, None, []
+        self._extend(self._aux(features, prompt_ids.numel()))
         self.anchor = int(next_token)
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
@@ -64,15 +91,22 @@ class DFlashDrafter:
 
     @torch.no_grad()
     def commit_tokens(self, tokens: list[int], features: Features | None, next_token: int) -> None:
-        # Only the target's features enter the context: the accepted tokens themselves are not needed.
-        self._extend(features, len(tokens) + 1)
-        self.anchor = int(next_token)
+        # Only the target's features enter the context: the accepted tokens themselves are not needed. Held
+        # features are kept as given: the batched decoder's are never written again (data.kvcache.DynamicKV
+        # allocates every forward), and DeferredSync copies what it defers.
+        aux = self._aux(features, len(tokens) + 1)
+        self.anchor, self.ready = int(next_token), None
+        if self.hold:
+            self.held.append(aux)
+        else:
+            self._extend(aux)
 
     @torch.no_grad()
     def block_states(self) -> torch.Tensor:
         """The drafting slots' final states [drafting slots, H] of the block anchored at the current anchor."""
         if self.anchor is None:
             raise RuntimeError("DFlash drafter: draft() before begin()")
+        self._settle()
         head, bs = self.head, self.head.block_size
         emb = head.block_embeddings(torch.tensor([self.anchor], device=self.device), self.target)
         pos = torch.arange(self.n, self.n + bs, device=self.device)[None]
@@ -87,24 +121,99 @@ class DFlashDrafter:
 
     @torch.no_grad()
     def draft(self, k: int, temperature: float) -> DraftTree:
-        head = self.head
-        m = min(k, head.block_size - head.first_slot)
+        m = min(k, self.head.block_size - self.head.first_slot)
+        ready, self.ready = self.ready, None
+        if ready is not None and ready[:2] == (m, temperature):
+            return ready[2]
         if m <= 0:
             return DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.device))
-        h = self.block_states()[:m]
-        if head.markov_head is None:
-            return self._draw(head.logits(h).float(), temperature)
-        # DSpark's sequential stage: the block's base logits once, then slot i's bias is that of the token drawn
-        # before it (head.logits, one slot at a time)
-        base = head.base_logits(h)
-        ids, probs, prev = [], [], torch.tensor([self.anchor], device=self.device)
-        for i in range(m):
-            tree = self._draw(head.add_markov_bias(base[i : i + 1], prev).float(), temperature)
-            ids.append(tree.tokens)
-            probs.append(tree.probs)
-            prev = tree.tokens
-        return DraftTree.chain(torch.cat(ids), None if temperature <= 0 else torch.cat(probs))
+        return DFlashDrafter._chains([self], self.head.base_logits(self.block_states()[None, :m]), [m], temperature)[0]
 
+    @staticmethod
+    def _chains(drafters: list[DFlashDrafter], base: torch.Tensor, ms: list[int],
+                temperature: float) -> list[DraftTree]:
+        """Each request's chain of its first ms[r] slots from the blocks' base logits [requests, slots, DV]:
+        without a Markov head one draw per slot at once; with one, DSpark's sequential stage, slot by slot left
+        to right, each slot's bias that of the token its request drew before it (the anchor for the first),
+        every request's bias of a slot in one call. A request's draws are the ones its own draft makes."""
+        head = drafters[0].head
+        if head.markov_head is None:
+            return [d._draw(base[r, :m].float(), temperature) for r, (d, m) in enumerate(zip(drafters, ms))]
+        ids: list[list[torch.Tensor]] = [[] for _ in drafters]
+        probs: list[list[torch.Tensor]] = [[] for _ in drafters]
+        prev = torch.tensor([d.anchor for d in drafters], device=drafters[0].device)
+        for i in range(max(ms)):
+            logits = head.add_markov_bias(base[:, i], prev).float()  # [requests, DV]
+            for r, (d, m) in enumerate(zip(drafters, ms)):
+                if i < m:  # a request's chain is complete: its generator draws no more than its own draft's
+                    tree = d._draw(logits[r : r + 1], temperature)
+                    ids[r].append(tree.tokens)
+                    probs[r].append(tree.probs)
+                    prev[r] = tree.tokens[0]
+        return [DraftTree.chain(torch.cat(t), None if temperature <= 0 else torch.cat(p)) for t, p in zip(ids, probs)]
+
+    @staticmethod
+    @torch.no_grad()
+    def draft_together(drafters: list[DFlashDrafter], ks: list[int], temperature: float) -> None:
+        """Draft the chains of several requests at once (the batched decoder's rows: eval.batch): one block pass
+        per head for all of them, each block at its own positions over its own context (the contexts padded to
+        the longest and masked); drafter i's next draft(ks[i], temperature) returns its chain, the one its own
+        draft would make. Held commits are settled first, together (settle_together)."""
+        DFlashDrafter.settle_together([d for d, k in zip(drafters, ks) if k > 0])
+        by_head: dict[int, list[tuple[DFlashDrafter, int]]] = {}
+        for d, k in zip(drafters, ks):
+            m = min(k, d.head.block_size - d.head.first_slot)
+            if m > 0 and d.anchor is not None:
+                by_head.setdefault(id(d.head), []).append((d, m))
+        for rows in by_head.values():
+            if len(rows) > 1:
+                DFlashDrafter._draft_rows([d for d, _ in rows], [m for _, m in rows], temperature)
+
+    @staticmethod
+    def _draft_rows(drafters: list[DFlashDrafter], ms: list[int], temperature: float) -> None:
+        """draft_together for requests of one head."""
+        first = drafters[0]
+        head, dev, bs = first.head, first.device, first.head.block_size
+        longest = max(d.n for d in drafters)
+        ctx = []
+        for layer in range(len(head.layers)):  # each layer's context keys/values, padded to the longest
+            k0, v0 = first.ctx[layer]
+            keys = k0.new_zeros(len(drafters), k0.shape[1], longest, k0.shape[-1])
+            vals = torch.zeros_like(keys)
+            for r, d in enumerate(drafters):
+                keys[r, :, :d.n], vals[r, :, :d.n] = d.ctx[layer][0][0], d.ctx[layer][1][0]
+            ctx.append((keys, vals))
+        n = torch.tensor([d.n for d in drafters], device=dev)
+        seen = torch.arange(longest, device=dev) < n[:, None]  # [requests, longest]: a request's own context
+        emb = head.block_embeddings(torch.tensor([d.anchor for d in drafters], device=dev), first.target)
+        pos = n[:, None] + torch.arange(bs, device=dev)
+        h = head.block_states(emb, pos, ctx, seen[:, None, None, :].expand(-1, 1, bs, -1), first.target)
+        base = head.base_logits(h[:, head.first_slot : head.first_slot + max(ms)])
+        for d, m, tree in zip(drafters, ms, DFlashDrafter._chains(drafters, base, ms, temperature)):
+            d.ready = (m, temperature, tree)
+
+    @staticmethod
+    @torch.no_grad()
+    def settle_together(drafters: list[DFlashDrafter]) -> None:
+        """Project the held commits of several requests (`hold`: the batched decoder's rows) in one pass per
+        head: their positions side by side, each at its own positions; each request appends its own keys."""
+        by_head: dict[int, list[DFlashDrafter]] = {}
+        for d in drafters:
+            if d.held:
+                by_head.setdefault(id(d.head), []).append(d)
+        for rows in by_head.values():
+            if len(rows) == 1:
+                rows[0]._settle()
+                continue
+            first = rows[0]
+            aux = [torch.cat(d.held, dim=1) for d in rows]
+            lens = [a.shape[1] for a in aux]
+            pos = torch.cat([torch.arange(d.n, d.n + m) for d, m in zip(rows, lens)])[None].to(first.device)
+            new = first.head.context_kv(torch.cat(aux, dim=1).to(first.device), pos, first.target)
+            parts = [(k.split(lens, dim=2), v.split(lens, dim=2)) for k, v in new]  # per layer, per request
+            for r, d in enumerate(rows):
+                d.held = []
+                d._append([(k[r], v[r]) for k, v in parts])
     def _draw(self, logits: torch.Tensor, temperature: float) -> DraftTree:
         """The chain of one draw per row of draft-vocab logits [m, DV] (argmax at temperature 0)."""
         if temperature <= 0:
