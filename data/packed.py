@@ -48,11 +48,13 @@ way) packs under `auto`, so the data stages' outputs never depend on a timing.
 (`data.target.load_model(cfg, decode=True)`): eval, prompt writing, regeneration. A packed layer keeps its dense `weight`/`bias` (shared, so code that reads
 `lm_head.weight` and the fingerprint see the same tensors) and falls back to the dense kernel whenever
 autograd is on, the input is not float32, or oneDNN is missing, so training never goes through it. The
-packed copy is taken once: weights changed after packing are not seen (pack after loading).
+packed copy is taken once: weights changed after packing are not seen (pack after loading). A deep copy of a
+packed layer is a dense nn.Linear (so an MTP head can copy a packed target's last layer).
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 
@@ -87,6 +89,16 @@ class PackedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous().to_mkldnn()
         y = torch._C._nn.mkldnn_linear(rows, self._packed_weight, self._packed_bias).to_dense()
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def __deepcopy__(self, memo: dict) -> nn.Linear:
+        """A copy is a dense nn.Linear of copied weights: oneDNN's packed tensor has no storage to copy (a head
+        built from a copy of the target's layer, an MTP block, would fail on a packed target), and a copy is
+        for changing, which the packed copy would not follow (the module docstring)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = copy.deepcopy(self.weight, memo)
+        linear.bias = copy.deepcopy(self.bias, memo)
+        memo[id(self)] = linear
+        return linear
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -51,6 +51,34 @@ def test_packed_linear_is_dense_under_autograd() -> None:
     assert lin.weight.grad is not None and x.grad is not None
 
 
+def test_a_deep_copy_of_a_packed_layer_is_a_dense_linear_of_copied_weights() -> None:
+    """An MTP head starts from a copy of the target's last layer; on a packed target (eval on a CPU where packing
+    wins) the copy failed on oneDNN's storage-less tensor. The copy: nn.Linear, same outputs, its own weights."""
+    import copy
+    import dataclasses
+
+    from heads import mtp
+
+    _, _, io = load_target(TargetConfig(name_or_path="tiny-random-llama", device="cpu"))
+    layer = copy.deepcopy(io.last_layer)
+    dense = copy.deepcopy(layer)
+    assert pack_linears(layer, min_numel=0) > 0 and isinstance(layer.self_attn.q_proj, PackedLinear)
+    twin = copy.deepcopy(layer)
+    assert type(twin.self_attn.q_proj) is nn.Linear and twin.self_attn.q_proj.weight is not layer.self_attn.q_proj.weight
+    x = torch.randn(1, 5, io.hidden_size)
+    pe = io.rotary(x, torch.arange(5)[None])
+    with torch.inference_mode():
+        want = dense(x, position_embeddings=pe)
+        want = want[0] if isinstance(want, tuple) else want
+        got = twin(x, position_embeddings=pe)
+        torch.testing.assert_close(got[0] if isinstance(got, tuple) else got, want)
+    with torch.no_grad():
+        twin.self_attn.q_proj.weight.add_(1.0)
+    assert not torch.equal(twin.self_attn.q_proj.weight, layer.self_attn.q_proj.weight)
+    head = mtp.build(mtp.MTPConfig(num_modules=1), dataclasses.replace(io, last_layer=layer))  # copies it
+    assert not any(isinstance(m, PackedLinear) for m in head.modules())
+
+
 def test_float32_matrices_above_the_small_floor_are_packed() -> None:
     big = nn.Linear(2048, MIN_PACKED_NUMEL // 2048)
     mid = nn.Linear(256, MIN_SMALL_NUMEL // 256)
