@@ -25,11 +25,11 @@ Greedy rows are therefore token-identical to plain decoding, and sampled rows ke
 
 A drafter is one request's state (its own head KV cache), so each row drafts through its own drafter; at a
 fixed k, rows whose head family drafts several requests at once (`draft_together` on the drafter's class:
-EAGLE-1/3 chains, one head pass per depth; DFlash blocks, one block pass; Medusa trees, one pass of each head)
-get their drafts from those passes for the whole batch first, and where the family holds its commits
-(`settle_together`: EAGLE, DFlash) the head commits of every row (a policy's rows included) are held and run
-in one head pass at the end of the pass; under a policy, the rows its choice lets the head draft are drafted
-together the same way (their deferred commits settled together first). MTP rows draft row by row. On a GPU, where a batched pass of the target costs
+EAGLE-1/3 chains, one head pass per depth; DFlash blocks, one block pass; Medusa trees, one pass of each head;
+MTP chains, one pass of each step's module) get their drafts from those passes for the whole batch first, and
+where the family holds its commits (`settle_together`: EAGLE, DFlash) the head commits of every row (a policy's
+rows included) are held and run in one head pass at the end of the pass; under a policy, the rows its choice
+lets the head draft are drafted together the same way (their deferred commits settled together first). On a GPU, where a batched pass of the target costs
 about one row's, per-row head passes were what the fixed-k head lost under load (docs/results.md, "GPU").
 
 Load-aware drafting (eval.policy.LoadAware): each row's AdaptivePolicy prices a pass with the row's share of
@@ -375,11 +375,10 @@ def _head_depth(r: _Row, k: int, budget: int, chosen: dict[str, int] | None) -> 
 
 def _draft_together(active: list[_Row], depths: list[int], temperature: float) -> None:
     """Rows whose head drafters' family drafts several requests at once (a `draft_together` on the drafter's
-    class: heads.eagle's, heads.dflash's, heads.medusa's) get their drafts from one head pass per depth, block
-    or head for the batch (their deferred commits settled together first); each row's own draft below then
-    returns it. Per-row head passes were the
-    batched decoder's cost on a GPU, where a batched pass of the target costs about one row's (docs/results.md,
-    "GPU")."""
+    class: heads.eagle's, heads.dflash's, heads.medusa's, heads.mtp's) get their drafts from one head pass per
+    depth, block, head or step for the batch (their deferred commits settled together first); each row's own
+    draft below then returns it. Per-row head passes were the batched decoder's cost on a GPU, where a batched
+    pass of the target costs about one row's (docs/results.md, "GPU")."""
     groups: dict[Any, list[tuple[Any, int]]] = {}
     for r, n in zip(active, depths):
         if n > 0:

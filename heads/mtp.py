@@ -22,7 +22,9 @@ Norms use the target's norm class (Gemma's RMSNorm stores w for a (1 + w) scale)
 
 Training: `python train/mtp.py --config configs/tiny-mtp.yaml --out runs/mtp-tiny`.
 Drafting: `MTPDrafter` proposes a chain, one token per step, keeping one KV cache per step (transformers'
-DynamicCache, see heads.cache); `drafter_factory` maps eval.tree onto it (auto or chain).
+DynamicCache, see heads.cache); `drafter_factory` maps eval.tree onto it (auto or chain);
+`MTPDrafter.draft_together` drafts the chains of the batched decoder's rows (eval.batch) in one pass of each
+step's module for all of them.
 """
 
 from __future__ import annotations
@@ -149,10 +151,12 @@ def rotary_embeddings(head: MTPHead, target: TargetIO, x: torch.Tensor, position
 
 
 def embed(target: TargetIO, ids: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The target's (frozen) embedding of `ids` [B, T], zeroed where the absolute position is 0 (vLLM)."""
+    """The target's (frozen) embedding of `ids` [B, T], zeroed where the absolute position is 0 (vLLM);
+    positions [T] (every row's) or [B, T] (each row's own)."""
     with torch.no_grad():
         e = target.embed(ids).to(dtype)
-    return e.masked_fill((positions == 0).reshape(1, -1, 1), 0.0)
+    first = positions == 0
+    return e.masked_fill((first if first.dim() == 2 else first[None])[..., None], 0.0)
 
 
 def feature_layers(cfg: MTPConfig, target_config: Any) -> list[int]:
@@ -263,6 +267,7 @@ class MTPDrafter:
         self.caches: list[DynamicCache] = []  # one per step: its committed positions (heads.cache)
         self.outs: list[torch.Tensor] = []
         self.drafted: list[int] = []
+        self.ready: tuple[int, float, DraftTree] | None = None  # (k, temperature, chain) from draft_together
 
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
         if features is None:
@@ -272,21 +277,39 @@ class MTPDrafter:
             raise ValueError(f"begin: {features.last.shape[1]} feature positions for a {len(ids)}-token prompt")
         self.tokens = ids + [int(next_token)]
         self.hidden = features.last[0].to(self.dtype)
-        self.caches, self.outs, self.drafted = [], [], []
+        self.caches, self.outs, self.drafted, self.ready = [], [], [], None
+
+    def _steps(self, k: int) -> int:
+        return k if self.max_steps is None else min(k, self.max_steps)
+
+    def _step_cache(self, s: int) -> DynamicCache:
+        """Step s's cache (made empty, with no outputs yet, on its first use)."""
+        if len(self.caches) < s:
+            self.caches.append(DynamicCache())
+            self.outs.append(self.hidden.new_zeros((0, self.hidden.shape[-1])))
+        return self.caches[s - 1]
+
+    def _keep(self, s: int, full: torch.Tensor) -> None:
+        """After step s's pass, o_s at positions 0..n-1 (`full`): keep only positions whose inputs are all
+        committed (p <= n-s) in its cache and outputs, for the next draft."""
+        keep = max(0, len(self.tokens) - s)
+        crop_to(self.caches[s - 1], keep)
+        self.outs[s - 1] = full[:keep]
 
     @torch.no_grad()
     def draft(self, k: int, temperature: float) -> DraftTree:
-        steps = k if self.max_steps is None else min(k, self.max_steps)
+        ready, self.ready = self.ready, None
+        if ready is not None and ready[:2] == (k, temperature):
+            self.drafted = ready[2].tokens.tolist()
+            return ready[2]
+        steps = self._steps(k)
         n = len(self.tokens) - 1  # root position; hidden states are known for 0..n-1
         device = self.hidden.device
         seq = list(self.tokens)
         tokens, probs = [], []
         prev = self.hidden  # h for step 1: the target's, positions 0..n-1
         for s in range(1, steps + 1):
-            if len(self.caches) < s:
-                self.caches.append(DynamicCache())
-                self.outs.append(self.hidden.new_zeros((0, self.hidden.shape[-1])))
-            cache = self.caches[s - 1]
+            cache = self._step_cache(s)
             start = cache_length(cache)
             pos = torch.arange(start, n, device=device)
             ids = torch.tensor([seq[p + s] for p in range(start, n)], device=device)[None]
@@ -302,14 +325,97 @@ class MTPDrafter:
                 probs.append(q)
             tokens.append(tok)
             seq.append(tok)
-            # Keep only positions whose inputs are all committed (p <= n-s) for the next draft.
-            keep = max(0, n - s + 1)
-            crop_to(cache, keep)
-            self.outs[s - 1] = full[:keep]
+            self._keep(s, full)
             prev = full
         self.drafted = tokens
         t = torch.tensor(tokens, dtype=torch.long, device=device)
         return DraftTree.chain(t, torch.stack(probs) if probs else None)
+
+    @staticmethod
+    @torch.no_grad()
+    def draft_together(drafters: list[MTPDrafter], ks: list[int], temperature: float) -> None:
+        """Draft the chains of several requests at once (the batched decoder's rows: eval.batch), one pass of each
+        step's module for all of them (and one of the target's LM head): each request's new positions padded
+        to the longest, over its own committed keys (padded to the longest and masked), at its own positions;
+        drafter i's next draft(ks[i], temperature) returns its chain, the one its own draft would make, and its
+        caches end as its own draft leaves them. Requests are grouped by head; a block whose attention has no
+        layer_idx (no cache slot to fill), or a request that drafted since its last commit (its steps have no
+        new position to run), is left to its own draft."""
+        by_head: dict[int, list[tuple[MTPDrafter, int]]] = {}
+        for d, k in zip(drafters, ks):
+            if d._steps(k) > 0 and d.tokens and not d.drafted:
+                by_head.setdefault(id(d.head), []).append((d, k))
+        for rows in by_head.values():
+            layer = getattr(getattr(rows[0][0].head.mtp[0].block, "self_attn", None), "layer_idx", None)
+            if len(rows) > 1 and layer is not None:
+                MTPDrafter._draft_rows(rows, temperature, int(layer))
+
+    @staticmethod
+    def _draft_rows(rows: list[tuple[MTPDrafter, int]], temperature: float, layer: int) -> None:
+        """draft_together for requests of one head: (drafter, k) each; `layer`: the block's cache slot."""
+        first = rows[0][0]
+        head, target, dtype, device = first.head, first.target, first.dtype, first.hidden.device
+        steps = [d._steps(k) for d, k in rows]
+        seqs = [list(d.tokens) for d, _ in rows]
+        prevs = [d.hidden for d, _ in rows]  # step 1 reads the target's states, positions 0..n-1
+        tokens: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        for s in range(1, max(steps) + 1):
+            live = [i for i, st in enumerate(steps) if st >= s]  # requests whose chain reaches this step
+            ds = [rows[i][0] for i in live]
+            caches = [d._step_cache(s) for d in ds]
+            n = [len(d.tokens) - 1 for d in ds]  # each request's root position
+            start = [cache_length(c) for c in caches]
+            m = [a - b for a, b in zip(n, start)]
+            b, mm, past = len(ds), max(m), max(start)
+            pos = torch.tensor([[st + j for j in range(mm)] for st in start], device=device)  # [b, mm]
+            ids = torch.zeros(b, mm, dtype=torch.long, device=device)
+            h = prevs[0].new_zeros(b, mm, prevs[0].shape[-1])
+            allowed = torch.zeros(b, mm, past + mm, dtype=torch.bool, device=device)
+            k_pos = torch.zeros(b, past + mm, dtype=torch.long, device=device)
+            tmp = DynamicCache()
+            keys = vals = None
+            for r, (i, c, st, mr) in enumerate(zip(live, caches, start, m)):
+                ids[r, :mr] = torch.tensor([seqs[i][p + s] for p in range(st, st + mr)], device=device)
+                h[r, :mr] = prevs[i][st:st + mr]
+                allowed[r, :, :st] = True  # its committed keys
+                allowed[r, :, past:] = torch.ones(mm, mm, dtype=torch.bool, device=device).tril()  # its new, causal
+                k_pos[r, :past], k_pos[r, past:] = torch.arange(past, device=device), pos[r]
+                if st:
+                    ck, cv = c.layers[layer].keys, c.layers[layer].values  # [1, kv, st, d]
+                    if keys is None:
+                        keys = ck.new_zeros(b, ck.shape[1], past, ck.shape[-1])
+                        vals = torch.zeros_like(keys)
+                    keys[r, :, :st], vals[r, :, :st] = ck[0], cv[0]
+            if keys is not None:  # else no request has committed keys at this step yet (past is 0)
+                tmp.update(keys, vals, layer)
+            if head.window is not None:
+                allowed &= (pos[:, :, None] - k_pos[:, None, :]) < head.window
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+            emb = embed(target, ids, pos, dtype)
+            mod = head.module_for(s)
+            pe = rotary_embeddings(head, target, emb, pos)
+            o = mod(emb, h, pe, mask[:, None], cache=tmp)  # [b, mm, H]
+            new = tmp.layers[layer]
+            lasts = []
+            for r, (i, d, c, st, mr) in enumerate(zip(live, ds, caches, start, m)):
+                # its new keys join its own cache (then cropped to the committed ones, as its own draft does)
+                c.update(new.keys[r:r + 1, :, past:past + mr], new.values[r:r + 1, :, past:past + mr], layer)
+                full = torch.cat([d.outs[s - 1][:st], o[r, :mr]])  # o_s at positions 0..n-1
+                d._keep(s, full)
+                prevs[i] = full
+                lasts.append(full[-1])
+            logits = _logits(target, mod.norm(torch.stack(lasts)))  # [b, V]
+            for r, (i, d) in enumerate(zip(live, ds)):
+                tok, q = draft_token(logits[r], temperature, d.generator)
+                tokens[i].append(tok)
+                seqs[i].append(tok)
+                if q is not None:
+                    probs[i].append(q)
+        for i, (d, k) in enumerate(rows):
+            t = torch.tensor(tokens[i], dtype=torch.long, device=device)
+            d.ready = (k, temperature, DraftTree.chain(t, torch.stack(probs[i]) if probs[i] else None))
+            d.drafted = tokens[i]
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
         a = len(accepted)
@@ -323,7 +429,7 @@ class MTPDrafter:
             raise ValueError(f"commit: expected features for {len(tokens) + 1} positions")
         self.tokens += [int(t) for t in tokens] + [int(next_token)]
         self.hidden = torch.cat([self.hidden, features.last[0].to(self.dtype)])
-        self.drafted = []
+        self.drafted, self.ready = [], None
 
 
 def drafter(

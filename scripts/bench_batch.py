@@ -34,7 +34,7 @@ the forward, at the prompts' context).
 `--together` runs only this: at a fixed k, the head's batched decoding with the rows' drafts made and their
 commits settled together (the family's draft_together / settle_together: EAGLE's one head pass per depth and one
 per commit for the whole batch, DFlash's one block pass and one context projection, Medusa's one pass of each
-head) against the same rows drafting and committing one after another (the before: BatchRun(together=False)),
+head, MTP's one pass of each step's module) against the same rows drafting and committing one after another (the before: BatchRun(together=False)),
 and plain, the three pass-interleaved, per batch size and repeat. JSON key together:
 [{batch_size, k, plain_tok_s, together_tok_s, alone_tok_s, together_vs_plain, alone_vs_plain (medians of the
 per-repeat ratios), identical}].

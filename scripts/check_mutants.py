@@ -374,10 +374,13 @@ MUTANTS: list[Mutant] = [
            "pos = torch.cat([torch.arange(d.n, d.n + m) for d, m in zip(rows, lens)])",
            "pos = torch.cat([torch.arange(first.n, first.n + m) for d, m in zip(rows, lens)])",
            ("tests/test_dflash.py", "-k", "settling_together")),
+    Mutant("mtp_together_sees_padded_keys", "heads/mtp.py",
+           "allowed[r, :, :st] = True", "allowed[r, :, :past] = True",
+           ("tests/test_mtp.py", "-k", "drafting_together")),
     Mutant("medusa_together_reads_the_first_row", "heads/medusa.py",
            "d._build(tree, logits[:tree.depth, r], temperature)",
            "d._build(tree, logits[:tree.depth, 0], temperature)",
-           ("tests/test_batch.py", "-k", "block_and_medusa and medusa")),
+           ("tests/test_batch.py", "-k", "mtp_heads_draft_together and medusa")),
     # --- eval.draft_dtype (eval.costs.place_head)
     # auto keeps bfloat16 whatever the timing says: a CPU without native bfloat16 would draft slower
     Mutant("auto_draft_dtype_ignores_the_timing", "eval/costs.py",

@@ -303,30 +303,36 @@ def _together_head(family, io, family_heads):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("family", ["dflash", "dspark", "medusa"])
-def test_fixed_k_rows_of_block_and_medusa_heads_draft_together(tiny_target, family_heads, family, temperature,
-                                                                 monkeypatch):
+@pytest.mark.parametrize("family", ["dflash", "dspark", "medusa", "mtp"])
+def test_fixed_k_rows_of_dflash_medusa_and_mtp_heads_draft_together(tiny_target, family_heads, family, temperature,
+                                                                    monkeypatch):
     """A DFlash head's rows draft their blocks in one block pass for the batch (DFlashDrafter.draft_together, its
-    held commits projected in one pass: settle_together); a Medusa head's trees come from one pass of each head.
-    The run is the run of the rows drafting one after another: the same tokens (sampled rows: the same draws of
-    each row's generator), passes and acceptance, with head passes over several requests."""
+    held commits projected in one pass: settle_together); a Medusa head's trees come from one pass of each head,
+    an MTP head's chains from one pass of each step's module. The run is the run of the rows drafting one after
+    another: the same tokens (sampled rows: the same draws of each row's generator), passes and acceptance, with
+    head passes over several requests."""
     model, tok, io = tiny_target
     prompts = _prompts(tok, 3) + [_prompts(tok, 4)[3] * 2]
     head = _together_head(family, io, family_heads)
     seeds = itertools.count()
     if family == "medusa":  # top-k trees: no draws
         make = registry.get(family).drafter_factory(head, io, "auto", 3)
-    else:  # each row's drafter its own generator (from the global one, a Markov head's rows would interleave)
-        from heads.dflash import drafter as dflash_drafter
+    else:  # each row's drafter its own generator (from the global one, rows drafted together would interleave)
+        from heads import dflash, mtp
+        module = mtp if family == "mtp" else dflash
 
         def make():
-            return dflash_drafter(head, io, generator=torch.Generator().manual_seed(next(seeds)))
+            return module.drafter(head, io, generator=torch.Generator().manual_seed(next(seeds)))
     cls = type(make())
     widths = []  # the batch width of every drafting pass of the head
     if family == "medusa":
         real = type(head).forward
         monkeypatch.setattr(type(head), "forward", lambda self, last, heads=None: widths.append(
             1 if last.dim() == 1 else last.shape[0]) or real(self, last, heads))
+    elif family == "mtp":
+        real = type(head.mtp[0]).forward
+        monkeypatch.setattr(type(head.mtp[0]), "forward", lambda self, emb, *a, **kw: widths.append(emb.shape[0])
+                            or real(self, emb, *a, **kw))
     else:
         real = type(head).block_states
         monkeypatch.setattr(type(head), "block_states", lambda self, emb, *a: widths.append(emb.shape[0])
@@ -975,7 +981,7 @@ def test_bench_batch_runs_on_the_tiny_target(tmp_path):
         assert r["loop_vs_plain"] == 1 + (r["off_outside_ms"] - r["plain_outside_ms"]) / r["plain_pass_ms"]
 
 
-@pytest.mark.parametrize("config", [None, "tiny-dflash.yaml", "tiny-medusa.yaml"])
+@pytest.mark.parametrize("config", [None, "tiny-dflash.yaml", "tiny-medusa.yaml", "tiny-mtp.yaml"])
 def test_bench_batch_together_compares_drafting_together_with_row_by_row(tmp_path, config):
     """scripts/bench_batch.py --together on the tiny target, a fresh head of the quickstart's EAGLE-3 shape or of
     a tiny config of another family: both fixed-k runs match plain token for token."""

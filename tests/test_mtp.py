@@ -131,6 +131,55 @@ def test_incremental_drafter_matches_full_recomputation(targets, name: str, cfg)
         d.commit(list(range(accept)), f.slice(len(d.tokens) - 1, len(committed) - 1), committed[-1])
 
 
+@pytest.mark.parametrize(
+    "name,cfg",
+    [
+        ("tiny-random-llama", mtp.MTPConfig(num_modules=3)),
+        ("tiny-random-gemma3", mtp.MTPConfig(recursive=True, num_steps=2)),  # sliding window 64 crossed
+    ],
+)
+def test_drafting_together_equals_each_requests_own_draft(targets, name: str, cfg) -> None:
+    """MTPDrafter.draft_together (the batched decoder's rows, one pass of each step's module for all): requests
+    with contexts of different lengths (their new positions and committed keys padded to the longest) and
+    different draft lengths get, round after round of commits, the chain their own draft makes, sampled from
+    their own generator with the same q, and their caches end as their own drafts leave them. A request's keys
+    seen by another (mutant mtp_together_sees_padded_keys) fail it."""
+    model, _, io = targets[name]
+    torch.manual_seed(0)
+    head = mtp.build(cfg, io).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    seq = torch.randint(3, 250, (90,)).tolist()
+    feats, _ = forward_features(model, torch.tensor([seq]))
+    lengths = [70, 12, 41]
+    cap = None if not cfg.recursive else 4
+
+    def begun(n: int, seed: int):
+        d = mtp.drafter(head, io, max_steps=cap, generator=torch.Generator().manual_seed(seed))
+        d.begin(torch.tensor([seq[:n]]), feats.slice(0, n), seq[n])
+        return d
+
+    alone = [begun(n, i) for i, n in enumerate(lengths)]
+    together = [begun(n, i) for i, n in enumerate(lengths)]
+    for ks, accept in (([3, 2, 4], [0, 2, 1]), ([4, 0, 1], [3, 0, 1]), ([2, 3, 3], [1, 2, 0])):
+        mtp.MTPDrafter.draft_together(together, ks, 0.8)
+        for a, t, k, acc in zip(alone, together, ks, accept):
+            if k == 0:
+                assert t.ready is None
+                continue
+            want, got = a.draft(k, 0.8), t.draft(k, 0.8)
+            assert got.tokens.tolist() == want.tokens.tolist() and t.drafted == a.drafted
+            torch.testing.assert_close(got.probs, want.probs, atol=2e-5, rtol=1e-4)
+            for ca, ct, oa, ot in zip(a.caches, t.caches, a.outs, t.outs):
+                assert mtp.cache_length(ct) == mtp.cache_length(ca)
+                torch.testing.assert_close(ot, oa, atol=2e-5, rtol=1e-4)
+            # commit `acc` drafts plus a correction token with the target's features for them (the sequence's)
+            m, n = len(a.tokens) - 1, min(acc, len(a.drafted))
+            for d in (a, t):
+                d.commit(list(range(n)), feats.slice(m, m + n + 1), seq[m + n + 1])
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_target):
     """Two modules overfit on the target's own greedy continuation of one prompt (drafts get accepted)."""
