@@ -34,7 +34,8 @@ about one row's, per-row head passes were what the fixed-k head lost under load 
 
 Load-aware drafting (eval.policy.LoadAware): each row's AdaptivePolicy prices a pass with the row's share of
 a batch pass, T(B, n) / B, from the cost surface T(B, n) measured before the sweep (eval.costs.
-measure_cost_surface) and refined by the run's own timed batch passes; then a batch gate drops the drafts of
+measure_cost_surface) and refined by the run's own timed batch passes, and its head's draft at the share of its
+own draft that drafting the rows together costs (eval.costs.measure_draft_share, per batch size); then a batch gate drops the drafts of
 rows whose drafting would widen the shared pass more than their expected tokens pay for, down to a plain
 pass (nothing drafted: the drafters are not called, their commits wait in DeferredSync). The sweep keeps
 one LoadAware per load-aware method for all its runs, so what the timed passes taught carries over.
@@ -414,6 +415,9 @@ class Method:
     make_drafter: Callable[[], Drafter]
     make_policy: Callable[[], DraftPolicy] | None = None
     load_aware: bool = False  # price with the cost surface and gate the batch (needs make_policy)
+    # load-aware: per batch size, the share of a row's own draft its head's batched draft costs
+    # (eval.costs.measure_draft_share; None: every row priced as if it drafted alone)
+    draft_share: dict[int, float] | None = None
 
 
 def _single_stream_tau(model: nn.Module, prompt: Sequence[int], m: Method, max_new_tokens: int) -> float:
@@ -506,7 +510,8 @@ def sweep(
     Rows are the prompts cycled to fill the batch. Returns the report's `batch_sweep` section: {"methods",
     "max_new_tokens", "rows": [{batch_size, plain_tok_s, plain_latency_s, methods: {name: {tok_s, speedup,
     latency_s, tau, identical, chosen_k, drafted_tokens per round}}}], "crossover": {name: batch size}, "single_stream_tau": {name:
-    tau}, "cost_surface_ms"}. A method's crossover is the first batch size whose throughput is not above
+    tau}, "cost_surface_ms", "draft_share": {name: {batch size: share}} of the load-aware methods given one}. A
+    method's crossover is the first batch size whose throughput is not above
     plain (None when it pays over the whole range); single_stream_tau is the decoder's tau on batch 1's row.
     surface (eval.costs.measure_cost_surface) is required by load-aware methods.
     """
@@ -518,7 +523,7 @@ def sweep(
     # One gate per load-aware method for the whole sweep: what its timed passes taught (the load scale per
     # batch size, the realised rate of its drafting passes) carries from run to run, as a server's would from
     # request to request, instead of every 32-token run paying for its own first drafts again.
-    loads = {m.name: LoadAware(surface) for m in methods if m.load_aware}
+    loads = {m.name: LoadAware(surface, draft_share=m.draft_share) for m in methods if m.load_aware}
     rows = []
     for b in batch_sizes:
         if b < 1:
@@ -543,4 +548,5 @@ def sweep(
         "crossover": crossover,
         "single_stream_tau": {m.name: _single_stream_tau(model, prompts[0], m, max_new_tokens) for m in methods},
         "cost_surface_ms": {str(b): v.ms() for b, v in (surface or {}).items()},
+        "draft_share": {m.name: {str(b): f for b, f in m.draft_share.items()} for m in methods if m.draft_share},
     }

@@ -7,6 +7,7 @@ decoder's k is chosen from measurements, never assumed:
     acc, draft = calibrate(model, drafter, prompts, k=8)     # Calibration: acceptance per depth + DraftCost
     k, speedup = choose_k(acc, T, draft, k_max=16)           # k = 0 means plain decoding is fastest
     S = measure_cost_surface(model, (1, 4, 16), (1, 2, 5))   # {B: VerifyCost}: T(B, n), B rows of n tokens
+    F = measure_draft_share(model, make_head, prompt, (1, 4, 16), k=4)   # {B: share of a row's draft, batched}
     place_head(head, device, torch.float32, "auto")          # eval.draft_dtype: the dtype the head drafts in
 
 The model (all times per target pass, one pass verifies the root plus the n draft nodes):
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data.config import EvalConfig
+from data.features import forward_features
 from data.kvcache import DynamicKV, KVCache, new_kv, timed_pass
 from eval.decoder import GenerationStats, speculative_generate
 from heads.base import Drafter
@@ -233,6 +235,74 @@ def measure_cost_surface(
         blocks = {int(n): torch.randint(vocab, (b, n), generator=g) for n in ns}
         surface[int(b)] = VerifyCost(_round_robin(kv, blocks, repeats, sync), context_len=context_len)
     return surface
+
+
+@torch.no_grad()
+def measure_draft_share(
+    model: nn.Module,
+    make_drafter: Callable[[], Drafter],
+    prompt: Sequence[int],
+    batch_sizes: Sequence[int],
+    k: int,
+    repeats: int = 5,
+) -> dict[int, float]:
+    """Per batch size B: the seconds of B requests' k-token drafts made together (the drafter class's
+    `draft_together`, as the batched decoder drafts its rows: eval.batch) over the seconds of the same B drafts
+    made one after another; each row of a batch of B pays this share of its own draft (eval.policy.LoadAware).
+    1.0 for B = 1, and for every B when the drafter's class drafts no requests together (or k < 1).
+
+    Every request is the same: begun on `prompt` but its last two tokens, one draft (untimed: a head that
+    builds its state lazily, MTP's step caches, does it there) and a commit of one position, so the timed
+    drafts run in the state of a decoding request. Per repeat both ways are timed on fresh requests, in
+    alternating order; the median ratio of the pairs, at most 1 (drafting together never has to be slower:
+    the batched decoder could always draft row by row)."""
+    probe = make_drafter()
+    together = getattr(type(probe), "draft_together", None)
+    sizes = sorted({int(b) for b in batch_sizes})
+    if together is None or k < 1 or len(prompt) < 3:
+        return dict.fromkeys(sizes, 1.0)
+    dev = next(model.parameters()).device
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=dev)
+    feats, _ = forward_features(model, ids, None, probe.capture_layers or ())
+    n = ids.shape[1]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def requests(b: int) -> list[Drafter]:
+        out = []
+        for _ in range(b):
+            d = make_drafter()
+            d.begin(ids[:, :n - 2], feats.slice(0, n - 2), int(ids[0, n - 2]))
+            d.draft(k, 0.0)
+            d.commit_tokens([], feats.slice(n - 2, n - 1), int(ids[0, n - 1]))
+            out.append(d)
+        return out
+
+    def timed(ds: list[Drafter], batched: bool) -> float:
+        sync()
+        t0 = time.perf_counter()
+        if batched:
+            together(ds, [k] * len(ds), 0.0)
+        for d in ds:
+            d.draft(k, 0.0)
+        sync()
+        return time.perf_counter() - t0
+
+    shares = {}
+    for b in sizes:
+        if b <= 1:
+            shares[b] = 1.0
+            continue
+        ratios = []
+        for r in range(repeats + 1):  # the first pair warms up
+            alone, both = requests(b), requests(b)
+            if r % 2:
+                t_both, t_alone = timed(both, True), timed(alone, False)
+            else:
+                t_alone, t_both = timed(alone, False), timed(both, True)
+            if r:
+                ratios.append(t_both / t_alone)
+        shares[b] = min(1.0, statistics.median(ratios))
+    return shares
 
 
 @dataclass

@@ -157,6 +157,7 @@ class AdaptivePolicy:
         # (`proposal_key`: the n-gram's match order); `key` maps each proposer to its current proposal's key.
         self.accepted: dict[str, list[float]] = {s: [0.0] * self.k_max for s in self.prior}
         self.judged: dict[str, list[float]] = {s: [0.0] * self.k_max for s in self.prior}
+        self.shared: dict[str, float] = {}  # per proposer: the share of its own draft a batched draft costs
         self.key = {s: s for s in self.prior}
         self.keys = {s: {s} for s in self.prior}  # every key each proposer's proposals were priced as
         self.idle = dict.fromkeys(self.prior, 0)
@@ -199,8 +200,13 @@ class AdaptivePolicy:
         seen, was = self._drafting.setdefault(owner, [self.weight * total, self.weight * total])
         self._drafting[owner] = [self.decay * seen + seconds, self.decay * was + total]
 
+    def use_draft_share(self, shared: Mapping[str, float]) -> None:
+        """Price these proposers' drafts at this share of their own (eval.policy.LoadAware: a row of a batch whose
+        head drafts the rows together pays its share of one batched head pass, not a pass of its own)."""
+        self.shared = dict(shared)
+
     def _draft_cost(self, source: str, nodes: int) -> float:
-        return self.costs[source](nodes) * self.draft_scale(source) if nodes else 0.0
+        return self.costs[source](nodes) * self.draft_scale(source) * self.shared.get(source, 1.0) if nodes else 0.0
 
     def _nodes(self, source: str, length: int) -> int:
         return math.ceil(self.width[source] * length - 1e-9) if length else 0
@@ -420,6 +426,10 @@ def _nearest(sizes: Iterable[int], batch: int) -> int:
     return min(sizes, key=lambda b: (abs(b - batch), b))
 
 
+# The proposers LoadAware prices at a batch's draft share: a head drafter's own ("draft") and a hybrid's head; the
+# n-gram's lookups are per row (and cost next to nothing).
+SHARED_SOURCES = ("draft", "head")
+
 # Passes at most left plain without pricing after pricings that ended plain (LoadAware's back-off): bounds the
 # drafting chances it can miss (an n-gram match that appears meanwhile) to 7 passes.
 MAX_BACKOFF = 7
@@ -445,8 +455,14 @@ class LoadAware:
     slower passes made the target alone dearer, and a draft the surface priced 1% past the margin at batch 1
     went through and lost (docs/batching.md).
 
-    The model can be wrong where nothing it prices is measured: the heads' per-row drafting and commits, the
-    tree mask, Python bookkeeping per row; and the rows' acceptance estimates can be optimistic. So every
+    Drafting seconds: a row's policy prices its head's draft (the proposers in `share_sources`) at its own
+    calibrated cost times the batch's draft share (`share`: what one row's draft costs when the rows' drafts
+    are made in one batched head pass, eval.costs.measure_draft_share, per batch size; 1.0 without one): on a
+    GPU a head pass over 16 rows costs about one row's, and priced as 16 passes the gate would refuse drafts
+    that pay.
+
+    The model can be wrong where nothing it prices is measured: the heads' commits, the tree mask, Python
+    bookkeeping per row; and the rows' acceptance estimates can be optimistic. So every
     drafting pass is also timed whole (`observe_cycle`: draft, verify, commits) and set against what the gate
     planned for it, in two parts whose product (`realised`) scales every later drafting score:
     - time: priced over observed seconds, per batch size (what the gate cannot price grows with the rows). One
@@ -463,10 +479,14 @@ class LoadAware:
     """
 
     def __init__(self, surface: Mapping[int, VerifyCost], margin: float = 1.05, decay: float = 0.7,
-                 token_decay: float = 0.95):
+                 token_decay: float = 0.95, draft_share: Mapping[int, float] | None = None,
+                 share_sources: Iterable[str] = SHARED_SOURCES):
         if not surface or margin < 1.0 or not (0.0 <= decay < 1.0 and 0.0 <= token_decay < 1.0):
             raise ValueError("LoadAware: need a non-empty cost surface, margin >= 1 and decays in [0, 1)")
+        if draft_share is not None and not all(b >= 1 and 0.0 < f <= 1.0 for b, f in draft_share.items()):
+            raise ValueError(f"LoadAware: draft shares must be in (0, 1] per batch size >= 1, got {dict(draft_share)}")
         self.surface, self.margin, self.decay, self.token_decay = dict(surface), margin, decay, token_decay
+        self.draft_share, self.share_sources = dict(draft_share or {}), tuple(share_sources)
         self.curves: dict[int, ScaledCurve] = {}
         self.gated = 0
         self._time: dict[int, tuple[float, float]] = {}  # batch -> decayed (priced, observed) drafting seconds
@@ -572,9 +592,11 @@ class LoadAware:
             self._back_off(b, streak)
             return [dict.fromkeys(getattr(drafter, "SOURCES", ("draft",)), 0) for drafter, _ in rows]
         share = RowShare(curve, b)
+        drafts = dict.fromkeys(self.share_sources, self.share(b))
         choices, plans = [], []
         for (drafter, policy), budget in zip(rows, budgets):
             policy.use_verify(share)
+            policy.use_draft_share(drafts)
             c = policy.choose(drafter, budget)
             choices.append(c)
             plans.append(policy.expected(c))
@@ -598,6 +620,13 @@ class LoadAware:
         else:
             self._back_off(b, streak)
         return choices
+
+    def share(self, batch: int) -> float:
+        """The share of a row's own drafting seconds its head's draft costs in a batch of `batch` rows (drafted
+        together: eval.batch), from `draft_share` measured per batch size (eval.costs.measure_draft_share): the
+        largest measured size not above `batch` (a larger batch shares at least as well), 1.0 below them all."""
+        sizes = [s for s in self.draft_share if s <= batch]
+        return self.draft_share[max(sizes)] if sizes else 1.0
 
     def _back_off(self, b: int, streak: int) -> None:
         """After a pass its bound or pricing made plain (likely again: a row learns nothing from a plain pass),

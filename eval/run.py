@@ -65,7 +65,7 @@ from data.target import load_target
 from eval.batch import Method, sweep
 from eval.bench import Question, bench_name, load_questions
 from eval.calibrate import Costs, measure_costs
-from eval.costs import dtype_name, measure_cost_surface, place_head
+from eval.costs import dtype_name, measure_cost_surface, measure_draft_share, place_head
 from eval.drafters import HybridDrafter, NgramDrafter
 from eval.report import assemble_report, claim_eval_folder, markdown, write_report
 from eval.tally import BASELINES, benchmarks_section, speedup_section
@@ -162,9 +162,10 @@ def _plan_line(target_cfg: TargetConfig, subject: Subject, costs: Costs, cfg_eva
             f"{', '.join(['plain'] + subject.methods)}, benchmarks {', '.join(questions)}")
 
 
-def _sweep_methods(subject: Subject, costs: Costs) -> list[Method]:
+def _sweep_methods(subject: Subject, costs: Costs, draft_share: dict[int, float] | None = None) -> list[Method]:
     """The batch sweep's speculative methods: the drafter under evaluation at its fixed k, the hybrid at k, and
-    the load-aware policy (eval.policy.LoadAware) over the richest of them; n-gram alone without a head."""
+    the load-aware policy (eval.policy.LoadAware) over the richest of them, its head's drafts priced at
+    `draft_share`; n-gram alone without a head."""
     if subject.drafter == "ngram":
         return [Method("ngram", costs.k, NgramDrafter),
                 Method("ngram load-aware", costs.k, NgramDrafter, lambda: adaptive_policy(costs, costs.verify, False),
@@ -177,7 +178,7 @@ def _sweep_methods(subject: Subject, costs: Costs) -> list[Method]:
 
     return [Method(name, costs.k, make_head), Method(f"{name}+ngram", costs.k, hybrid),
             Method(f"{name}+ngram load-aware", costs.k, hybrid, lambda: adaptive_policy(costs, costs.verify, True),
-                   load_aware=True)]
+                   load_aware=True, draft_share=draft_share)]
 
 
 def _batch_sweep(target: Target, subject: Subject, costs: Costs, questions: dict[str, list[Question]],
@@ -185,13 +186,20 @@ def _batch_sweep(target: Target, subject: Subject, costs: Costs, questions: dict
                  repeats: int = 2, load_aware_repeats: int = 8) -> dict[str, Any]:
     """report.json's `batch_sweep` (eval/batch.py) on every question's first turn: plain, the drafter under
     evaluation and the hybrid at fixed k, and the load-aware policy priced by the cost surface T(B, n) measured
-    here first (eval.costs.measure_cost_surface)."""
+    here first (eval.costs.measure_cost_surface), its head's drafts at the share of a row's own draft that
+    drafting the rows together costs, measured here too (eval.costs.measure_draft_share)."""
     tok = target.tok
     prompts = render_rows(tok, [[{"role": "user", "content": q.turns[0]}] for qs in questions.values() for q in qs])
-    methods = _sweep_methods(subject, costs)
+    share = None
+    if subject.drafter != "ngram":
+        share = measure_draft_share(target.model, subject.factory(costs.k), prompts[0], batch_sizes, max(costs.k, 1))
+    methods = _sweep_methods(subject, costs, share)
     context = sum(len(p) for p in prompts) // len(prompts)
+    shares = "" if not share else (f"; a row's head draft, drafted with the batch's, costs "
+                                   f"{' / '.join(f'{f:.2f}' for f in share.values())} of its own at batch "
+                                   f"{' / '.join(map(str, share))}")
     log(f"batch sweep: batch sizes {batch_sizes}, methods {', '.join(m.name for m in methods)}, "
-        f"{sweep_new_tokens} new tokens per row; measuring T(B, n) at a {context}-token context first")
+        f"{sweep_new_tokens} new tokens per row{shares}; measuring T(B, n) at a {context}-token context first")
     surface = measure_cost_surface(target.model, batch_sizes, SURFACE_SIZES, context_len=context)
     return sweep(target.model, prompts, tok.pad_token_id if tok.pad_token_id is not None else target.eos[0],
                  batch_sizes, methods, max_new_tokens=sweep_new_tokens, surface=surface, progress=log,

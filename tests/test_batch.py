@@ -398,6 +398,51 @@ def test_load_aware_gate_drafts_when_it_pays_and_not_when_it_costs():
     assert steep.curve(10)(1) == pytest.approx((steep.curve(4)(1) + steep.curve(16)(1)) / 2)
 
 
+def test_load_aware_prices_a_rows_head_draft_at_the_batchs_draft_share():
+    """Rows whose heads draft together (eval.batch) pay their share of one batched head pass: on a flat,
+    GPU-like surface, 16 rows of 6 ms drafts priced as 16 drafts of their own make every pass plain (30 tokens
+    for 146 ms against plain's 16 for 50), priced at a measured share of 1/16 they all draft; a share applies
+    to the head's proposers only, at the largest measured size not above the batch, 1.0 below them all."""
+    def rows(sources=("draft",)):
+        return [(type("D", (), {"SOURCES": sources})(), AdaptivePolicy(VerifyCost({1: 0.05, 2: 0.055, 4: 0.06, 8: 0.07, 16: 0.09}, 64),
+                                          {s: DraftCost(0.001, 0.005) for s in sources},
+                                          {s: [0.9] * 4 for s in sources})) for _ in range(16)]
+
+    alone = LoadAware(_surface(0.0))
+    assert all(c["draft"] == 0 for c in alone.choose(rows(), [8] * 16)) and alone.gated == 0
+    shared = LoadAware(_surface(0.0), draft_share={1: 1.0, 4: 0.25, 16: 1 / 16})
+    assert (shared.share(16), shared.share(10), shared.share(4), shared.share(3)) == (1 / 16, 0.25, 0.25, 1.0)
+    assert all(c["draft"] > 0 for c in shared.choose(rows(), [8] * 16))
+    # an n-gram's lookups are per row: a batch of n-gram proposers is priced at its own cost still
+    ngram = rows(("ngram",))
+    assert all(c["ngram"] == 0 for c in shared.choose(ngram, [8] * 16))
+    assert ngram[0][1].shared == {"draft": 1 / 16, "head": 1 / 16}
+    with pytest.raises(ValueError, match="draft shares"):
+        LoadAware(_surface(0.0), draft_share={4: 0.0})
+
+
+def test_measure_draft_share_times_the_rows_drafts_together_against_one_after_another(tiny_target, family_heads,
+                                                                                      monkeypatch):
+    """eval.costs.measure_draft_share: per batch size, a share in (0, 1] from requests in a decoding state
+    drafted through the drafter class's draft_together (called once per timed batch); 1.0 at batch 1 and for a
+    drafter that drafts no requests together (the n-gram)."""
+    from eval.costs import measure_draft_share
+    from eval.drafters import NgramDrafter
+    from heads.eagle import EagleDrafter
+
+    model, tok, io = tiny_target
+    make = registry.get("eagle3").drafter_factory(copy.deepcopy(family_heads["eagle3"]), io, "chain", 3)
+    calls = []
+    real = EagleDrafter.draft_together
+    monkeypatch.setattr(EagleDrafter, "draft_together", staticmethod(lambda ds, ks, t: calls.append(
+        (len(ds), set(ks), all(d.n == len(_prompts(tok, 1)[0]) - 1 for d in ds))) or real(ds, ks, t)))
+    share = measure_draft_share(model, make, _prompts(tok, 1)[0], [1, 3], k=3, repeats=2)
+    assert set(share) == {1, 3} and share[1] == 1.0 and 0 < share[3] <= 1.0
+    # 3 timed batches (a warm-up and 2 repeats), of 3 requests each, drafting 3, each begun and committed
+    assert calls == [(3, {3}, True)] * 3
+    assert measure_draft_share(model, NgramDrafter, _prompts(tok, 1)[0], [1, 4], k=3) == {1: 1.0, 4: 1.0}
+
+
 @pytest.mark.parametrize("load", [0.02, 1.0, 50.0])
 def test_rows_price_their_drafts_at_the_surface_level_whatever_the_load(load):
     """A flat surface pays for every draft at any load factor: the rows' drafting seconds were timed beside the

@@ -109,6 +109,9 @@ def test_evaluate_head_writes_report(tmp_path, tiny_target, monkeypatch):
     assert len(bs["methods"]) == 3 and bs["methods"][1].endswith("+ngram") and bs["policy"][bs["methods"][2]] == "load-aware"
     assert all(m["identical"] for r in bs["rows"] for m in r["methods"].values())
     assert set(bs["crossover"]) == set(bs["methods"]) and set(bs["cost_surface_ms"]) == {"1", "2"}
+    # the load-aware method prices its head's drafts at the measured share of a row's own (drafted together)
+    share = bs["draft_share"][bs["methods"][2]]
+    assert set(share) == {"1", "2"} and share["1"] == 1.0 and 0 < share["2"] <= 1.0
     # Greedy: the head, the n-gram baseline and transformers' prompt lookup all reproduce plain decoding.
     assert b["identical"] is True
     assert b["baselines"]["ngram"]["identical"] is True
