@@ -145,7 +145,7 @@ class DFlashDrafter:
         for i in range(max(ms)):
             logits = head.add_markov_bias(base[:, i], prev).float()  # [requests, DV]
             for r, (d, m) in enumerate(zip(drafters, ms)):
-                if i < m:  # a request's chain is complete: its generator draws no more than its own draft's
+                if i < m:  # past its length a request draws no more (its generator: as many draws as its own draft)
                     tree = d._draw(logits[r : r + 1], temperature)
                     ids[r].append(tree.tokens)
                     probs[r].append(tree.probs)
