@@ -98,6 +98,16 @@ def reference_probs(head, io, seq: list[int], hidden: torch.Tensor, steps: int, 
     return torch.stack([torch.softmax(io.lm_head(o[0, n - 1]) / temperature, -1) for o in outs])
 
 
+def _lively_head(cfg, io):
+    """A head of cfg on io with its weights moved off their copy of the target's layer (seeded)."""
+    torch.manual_seed(0)
+    head = mtp.build(cfg, io).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return head
+
+
 @pytest.mark.parametrize(
     "name,cfg",
     [
@@ -107,11 +117,7 @@ def reference_probs(head, io, seq: list[int], hidden: torch.Tensor, steps: int, 
 )
 def test_incremental_drafter_matches_full_recomputation(targets, name: str, cfg) -> None:
     model, _, io = targets[name]
-    torch.manual_seed(0)
-    head = mtp.build(cfg, io).eval()
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    head = _lively_head(cfg, io)
     seq = torch.randint(3, 250, (66,)).tolist()
     feats, _ = forward_features(model, torch.tensor([seq[:-1]]))
     d = mtp.drafter(head, io, max_steps=None if not cfg.recursive else 4)
@@ -145,11 +151,7 @@ def test_drafting_together_equals_each_requests_own_draft(targets, name: str, cf
     their own generator with the same q, and their caches end as their own drafts leave them. A request's keys
     seen by another (mutant mtp_together_sees_padded_keys) fail it."""
     model, _, io = targets[name]
-    torch.manual_seed(0)
-    head = mtp.build(cfg, io).eval()
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    head = _lively_head(cfg, io)
     seq = torch.randint(3, 250, (90,)).tolist()
     feats, _ = forward_features(model, torch.tensor([seq]))
     lengths = [70, 12, 41]
