@@ -297,8 +297,8 @@ MUTANTS: list[Mutant] = [
            ("tests/test_batch.py", "-k", "buffers_are_reused")),
     # the single-stream policy keeps pricing drafts at the calibration's cost whatever they are seen to take
     Mutant("drafting_cost_never_learned", "eval/policy.py",
-           "        return self.costs[source](nodes) * self.draft_scale(source) if nodes else 0.0",
-           "        return self.costs[source](nodes) if nodes else 0.0",
+           "        return self.costs[source](nodes) * self.draft_scale(source) * self.shared.get(source, 1.0) if nodes else 0.0",
+           "        return self.costs[source](nodes) * self.shared.get(source, 1.0) if nodes else 0.0",
            ("tests/test_policy.py", "-k", "seen_to_cost")),
     # the forward time taken from the pass's start: the policy's choice and the draft counted as the target's
     Mutant("forward_time_from_the_pass_start", "eval/decoder.py",
