@@ -421,6 +421,18 @@ def test_load_aware_prices_a_rows_head_draft_at_the_batchs_draft_share():
         LoadAware(_surface(0.0), draft_share={4: 0.0})
 
 
+@pytest.mark.parametrize("family", registry.names())
+def test_draft_share_is_measured_for_every_family(tiny_target, family_heads, family):
+    """measure_draft_share begins, drafts and commits requests of every family's drafter (their own features:
+    aux layers for EAGLE-3 / DFlash, the last state for Medusa / MTP) and returns shares in (0, 1]."""
+    from eval.costs import measure_draft_share
+
+    model, tok, io = tiny_target
+    make = registry.get(family).drafter_factory(copy.deepcopy(family_heads[family]), io, "auto", 2)
+    share = measure_draft_share(model, make, _prompts(tok, 1)[0], [1, 2], k=2, repeats=1)
+    assert share[1] == 1.0 and 0 < share[2] <= 1.0
+
+
 def test_measure_draft_share_times_the_rows_drafts_together_against_one_after_another(tiny_target, family_heads,
                                                                                       monkeypatch):
     """eval.costs.measure_draft_share: per batch size, a share in (0, 1] from requests in a decoding state
