@@ -207,7 +207,7 @@ class DynamicKV:
             anc, depths = tree_layout(parents[r])
             allowed[r, :, self.length:] = anc.to(self.device)
             pos[r, 1:] += depths.to(self.device)
-        masks = torch.cat([additive_mask(a, self.dtype) for a in allowed])  # [B, 1, q, length + q]
+        masks = additive_mask(allowed, self.dtype)  # [B, 1, q, length + q]
         return self._forward(ids, logits_to_keep, attention_mask=masks, position_ids=pos)
 
     def keep(self, rows: Sequence[int]) -> None:

@@ -7,6 +7,7 @@
     crop_to(cache, n)                    # keep the first n rows of every layer: drop draft rows after a draft
     tree_mask(past, ancestors, positions, dtype, window=w)   # the additive mask of new rows (additive_mask: the
                                          # one mask builder, the decoder's caches and the MTP drafter alike)
+    keys, values, seen = pad_requests([(k, v) per request])   # side by side, padded: drafting rows together
 
 Why these shims: transformers renamed the forward argument `past_key_values` to `cache` between 5.17 (the GPU
 image) and 5.24 (pinned here), and silently ignores the wrong name; and `crop(n)` with n > 0 was a target LENGTH in
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,13 +51,32 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, q_pos: torch.Tensor
                   k_pos: torch.Tensor | None = None, window: int | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """The one attention-mask builder: bool `allowed` [q, K] -> additive mask [1, 1, q, K] of `dtype` (0 = attend,
-    dtype's min = blocked; eager and SDPA read it alike). With a `window` (a sliding-window layer) a key more
-    than window - 1 positions before its query is blocked too: positions q_pos [q] and k_pos [K]. `out`, a
-    [1, 1, q, K] buffer (a static cache's, replayed by a CUDA graph), is written in place and returned."""
+    dtype's min = blocked; eager and SDPA read it alike), or per request [B, q, K] -> [B, 1, q, K]. With a
+    `window` (a sliding-window layer) a key more than window - 1 positions before its query is blocked too:
+    positions q_pos [q] and k_pos [K] (per request: [B, q] and [B, K]). `out`, a buffer of the result's shape
+    (a static cache's, replayed by a CUDA graph), is written in place and returned."""
     if window is not None:
-        allowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < window)
-    out = torch.zeros((1, 1, *allowed.shape), dtype=dtype, device=allowed.device) if out is None else out.zero_()
-    return out.masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
+        allowed = allowed & ((q_pos[..., :, None] - k_pos[..., None, :]) < window)
+    shape = (1, 1, *allowed.shape) if allowed.dim() == 2 else (allowed.shape[0], 1, *allowed.shape[1:])
+    out = torch.zeros(shape, dtype=dtype, device=allowed.device) if out is None else out.zero_()
+    return out.masked_fill_(~allowed.reshape(shape), torch.finfo(dtype).min)
+
+
+def pad_requests(parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                       torch.Tensor]:
+    """Several requests' keys and values [1, kv heads, n_i, d] each (None: none yet; at least one given) side by
+    side, zero-padded to the longest: keys, values [requests, kv heads, longest, d] and seen [requests, longest]
+    (True where a key is the request's own). What the drafters attend over when they draft the batched
+    decoder's rows together (heads.eagle, heads.dflash, heads.mtp)."""
+    k0 = next(p[0] for p in parts if p is not None)
+    lengths = [0 if p is None else p[0].shape[2] for p in parts]
+    keys = k0.new_zeros(len(parts), k0.shape[1], max(lengths), k0.shape[-1])
+    vals = torch.zeros_like(keys)
+    seen = torch.zeros(len(parts), max(lengths), dtype=torch.bool, device=k0.device)
+    for i, (p, n) in enumerate(zip(parts, lengths)):
+        if p is not None:
+            keys[i, :, :n], vals[i, :, :n], seen[i, :n] = p[0][0], p[1][0], True
+    return keys, vals, seen
 
 
 def tree_mask(past: int, ancestors: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,

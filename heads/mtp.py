@@ -41,7 +41,7 @@ from transformers import DynamicCache
 
 from heads.align import shift_targets
 from heads.base import check_eval_tree
-from heads.cache import additive_mask, cache_kwarg, cache_length, crop_to
+from heads.cache import additive_mask, cache_kwarg, cache_length, crop_to, pad_requests
 from heads.losses import TokenLossConfig, check_token_loss, hard_token_loss
 from heads.registry import Family
 from heads.sampling import draft_token
@@ -372,30 +372,22 @@ class MTPDrafter:
             ids = torch.zeros(b, mm, dtype=torch.long, device=device)
             h = prevs[0].new_zeros(b, mm, prevs[0].shape[-1])
             allowed = torch.zeros(b, mm, past + mm, dtype=torch.bool, device=device)
-            k_pos = torch.zeros(b, past + mm, dtype=torch.long, device=device)
+            allowed[:, :, past:] = torch.ones(mm, mm, dtype=torch.bool, device=device).tril()  # its new, causal
+            k_pos = torch.cat([torch.arange(past, device=device).expand(b, past), pos], dim=1)  # [b, past + mm]
             tmp = DynamicCache()
-            keys = vals = None
-            for r, (i, c, st, mr) in enumerate(zip(live, caches, start, m)):
+            if past:  # else no request has committed keys at this step yet
+                keys, vals, seen = pad_requests([(c.layers[layer].keys, c.layers[layer].values) if st else None
+                                                 for c, st in zip(caches, start)])
+                tmp.update(keys, vals, layer)
+                allowed[:, :, :past] = seen[:, None, :]  # its committed keys
+            for r, (i, st, mr) in enumerate(zip(live, start, m)):
                 ids[r, :mr] = torch.tensor([seqs[i][p + s] for p in range(st, st + mr)], device=device)
                 h[r, :mr] = prevs[i][st:st + mr]
-                allowed[r, :, :st] = True  # its committed keys
-                allowed[r, :, past:] = torch.ones(mm, mm, dtype=torch.bool, device=device).tril()  # its new, causal
-                k_pos[r, :past], k_pos[r, past:] = torch.arange(past, device=device), pos[r]
-                if st:
-                    ck, cv = c.layers[layer].keys, c.layers[layer].values  # [1, kv, st, d]
-                    if keys is None:
-                        keys = ck.new_zeros(b, ck.shape[1], past, ck.shape[-1])
-                        vals = torch.zeros_like(keys)
-                    keys[r, :, :st], vals[r, :, :st] = ck[0], cv[0]
-            if keys is not None:  # else no request has committed keys at this step yet (past is 0)
-                tmp.update(keys, vals, layer)
-            if head.window is not None:
-                allowed &= (pos[:, :, None] - k_pos[:, None, :]) < head.window
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+            mask = additive_mask(allowed, dtype, pos, k_pos, head.window)  # [b, 1, mm, past + mm]
             emb = embed(target, ids, pos, dtype)
             mod = head.module_for(s)
             pe = rotary_embeddings(head, target, emb, pos)
-            o = mod(emb, h, pe, mask[:, None], cache=tmp)  # [b, mm, H]
+            o = mod(emb, h, pe, mask, cache=tmp)  # [b, mm, H]
             new = tmp.layers[layer]
             lasts = []
             for r, (i, d, c, st, mr) in enumerate(zip(live, ds, caches, start, m)):

@@ -263,7 +263,7 @@ def test_drafting_together_equals_each_requests_own_draft(tiny_target, variant, 
     contexts of different lengths and different draft lengths get the chain their own draft makes, sampled ones
     from their own generator with the same q (with a Markov head, each slot biased by its own chain's token);
     a request of another head drafts with its own head; a chain made together is for the length it was made
-    for. A block seeing another request's padded context keys fails it (mutant dflash_together_sees_padded_keys)."""
+    for. A block seeing another request's padded context keys fails it (mutant together_sees_padded_keys)."""
     model, _, io = tiny_target
     _, head = _head(io, seed=2, **VARIANTS[variant])
     torch.manual_seed(1)

@@ -149,7 +149,7 @@ def test_drafting_together_equals_each_requests_own_draft(targets, name: str, cf
     with contexts of different lengths (their new positions and committed keys padded to the longest) and
     different draft lengths get, round after round of commits, the chain their own draft makes, sampled from
     their own generator with the same q, and their caches end as their own drafts leave them. A request's keys
-    seen by another (mutant mtp_together_sees_padded_keys) fail it."""
+    seen by another (mutant together_sees_padded_keys) fail it."""
     model, _, io = targets[name]
     head = _lively_head(cfg, io)
     seq = torch.randint(3, 250, (90,)).tolist()

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from heads.base import check_eval_tree
+from heads.cache import pad_requests
 from heads.dflash.model import DFlashHead
 from heads.types import DraftTree, Features, TargetIO
 
@@ -174,17 +175,11 @@ class DFlashDrafter:
         """draft_together for requests of one head."""
         first = drafters[0]
         head, dev, bs = first.head, first.device, first.head.block_size
-        longest = max(d.n for d in drafters)
         ctx = []
         for layer in range(len(head.layers)):  # each layer's context keys/values, padded to the longest
-            k0, v0 = first.ctx[layer]
-            keys = k0.new_zeros(len(drafters), k0.shape[1], longest, k0.shape[-1])
-            vals = torch.zeros_like(keys)
-            for r, d in enumerate(drafters):
-                keys[r, :, :d.n], vals[r, :, :d.n] = d.ctx[layer][0][0], d.ctx[layer][1][0]
+            keys, vals, seen = pad_requests([d.ctx[layer] for d in drafters])  # seen: a request's own context
             ctx.append((keys, vals))
         n = torch.tensor([d.n for d in drafters], device=dev)
-        seen = torch.arange(longest, device=dev) < n[:, None]  # [requests, longest]: a request's own context
         emb = head.block_embeddings(torch.tensor([d.anchor for d in drafters], device=dev), first.target)
         pos = n[:, None] + torch.arange(bs, device=dev)
         h = head.block_states(emb, pos, ctx, seen[:, None, None, :].expand(-1, 1, bs, -1), first.target)

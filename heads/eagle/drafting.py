@@ -26,7 +26,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from heads.base import check_eval_tree
-from heads.cache import crop_to
+from heads.cache import crop_to, pad_requests
 from heads.eagle.model import masked_attention, rotary
 from heads.sampling import draft_distribution, draft_token
 from heads.types import DraftTree, Features, TargetIO
@@ -297,14 +297,7 @@ class EagleDrafter:
         """The requests' committed keys and values padded to the longest, [b, kv_heads, longest, d] each, and
         seen [b, longest]: which of them are a request's own (draft_together and settle_together attend over
         them)."""
-        layer = [d.cache.layers[0] for d in drafters]
-        b, longest, dev = len(drafters), max(d.n for d in drafters), drafters[0].device
-        keys = layer[0].keys.new_zeros(b, layer[0].keys.shape[1], longest, layer[0].keys.shape[-1])
-        vals = torch.zeros_like(keys)
-        seen = torch.zeros(b, longest, dtype=torch.bool, device=dev)
-        for i, d in enumerate(drafters):
-            keys[i, :, :d.n], vals[i, :, :d.n], seen[i, :d.n] = layer[i].keys[0], layer[i].values[0], True
-        return keys, vals, seen
+        return pad_requests([(d.cache.layers[0].keys, d.cache.layers[0].values) for d in drafters])
 
     @staticmethod
     @torch.no_grad()
