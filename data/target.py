@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from data.attention import use_gqa_attention
 from data.cli import UserError, cli_main
 from data.config import TargetConfig
 from data.packed import choose_kernels, pack_linears
@@ -241,6 +242,8 @@ def load_model(cfg: TargetConfig, decode: bool = False, verify: bool = False) ->
         model.to(resolve_device(cfg.device))
     model.eval()
     model.requires_grad_(False)
+    if verify:  # its passes over drafted tokens share key/value heads inside SDPA (data.attention)
+        use_gqa_attention(model)
     if decode and cfg.cpu_kernels == "auto" and verify:
         choose_kernels(model)
     elif decode and cfg.cpu_kernels != "dense":

@@ -80,6 +80,11 @@ MUTANTS: list[Mutant] = [
            "keys[i, :, :n], vals[i, :, :n], seen[i, :] = p[0][0], p[1][0], True",
            ("tests/test_eagle.py", "tests/test_dflash.py", "tests/test_mtp.py", "-k",
             "settling_together or drafting_together")),
+    # grouped-query attention inside SDPA for verify passes (data.attention): the mask must reach SDPA
+    Mutant("grouped_attention_drops_the_mask", "data/attention.py",
+           "attn_mask=attention_mask, dropout_p=dropout,",
+           "attn_mask=None, dropout_p=dropout,",
+           ("tests/test_attention.py",), quick=True),
     Mutant("kv_fork_shares_the_prefill", "data/kvcache.py",
            "        twin.cache = copy.deepcopy(self.cache)",
            "        twin.cache = self.cache",
