@@ -194,7 +194,8 @@ def load_model(cfg: TargetConfig, decode: bool = False, verify: bool = False) ->
     passes of 1-4 rows), so with `auto` (the default) the kernels are timed both ways here and the faster
     kept; batched generation (verify False: prompt writing, regeneration) keeps them packed under `auto`,
     since its wide passes run at the same speed either way and its outputs must not hang on a timing. Extraction (no output projection) and training (ZeRO-3
-    partitions the weights it would pack) do not ask for it."""
+    partitions the weights it would pack) do not ask for it. A verifying CPU target also groups its key/value
+    heads inside SDPA under a mask (data.attention): every pass over drafted tokens has one."""
     name = cfg.name_or_path
     dtype = _dtype(cfg.dtype)
     if name in TINY_NAMES:
