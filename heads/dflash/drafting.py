@@ -175,10 +175,9 @@ class DFlashDrafter:
         """draft_together for requests of one head."""
         first = drafters[0]
         head, dev, bs = first.head, first.device, first.head.block_size
-        ctx = []
-        for layer in range(len(head.layers)):  # each layer's context keys/values, padded to the longest
-            keys, vals, seen = pad_requests([d.ctx[layer] for d in drafters])  # seen: a request's own context
-            ctx.append((keys, vals))
+        # each layer's context keys/values padded to the longest; which are a request's own: alike in every layer
+        padded = [pad_requests([d.ctx[layer] for d in drafters]) for layer in range(len(head.layers))]
+        ctx, seen = [(keys, vals) for keys, vals, _ in padded], padded[0][2]
         n = torch.tensor([d.n for d in drafters], device=dev)
         emb = head.block_embeddings(torch.tensor([d.anchor for d in drafters], device=dev), first.target)
         pos = n[:, None] + torch.arange(bs, device=dev)
