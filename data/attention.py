@@ -14,10 +14,11 @@ attentions interleaved, median of 12; a second run read the same within the VM's
 
 and in the eval (the quickstart head alone, 4 questions of mt_bench and humaneval, adaptive) a pass verifying
 one drafted token went from a median 68.7 to 61.3 ms against a plain pass's 54.9 / 52.7 ms: from 1.25 to 1.16
-times a plain pass. `use_gqa_attention(model)` registers `sdpa_gqa` (transformers' AttentionInterface, with sdpa's mask builder) and switches a CPU model
-that uses `sdpa` and groups its key/value heads to it; data.target.load_model does so for a target that
-verifies drafts (eval, the benchmarks). The mask and everything else is sdpa's; a pass without a mask, with a
-position bias or with head sizes SDPA does not group goes through transformers' own function unchanged. On
+times a plain pass. `use_gqa_attention(model)` registers `sdpa_gqa` (transformers' AttentionInterface, with
+sdpa's mask builder) and switches a CPU model that uses `sdpa` and groups its key/value heads to it;
+data.target.load_model does so for a target that verifies drafts (eval, the benchmarks). The mask and
+everything else is sdpa's; a pass without a mask, with a position bias, a softcap or head sizes SDPA does
+not group goes through transformers' own function unchanged. On
 CUDA, SDPA's grouped path under a mask is its math kernel, slower than the memory-efficient one after
 `repeat_kv`, so a GPU model is left as it is.
 

@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|")
     for context in args.contexts:
         row = out[str(context)] = bench(model, context, args.repeats)
-        print(f"| {context} | " + " | ".join(" / ".join(f"{row[a][w]:.1f}" for w in WIDTHS) for a in ("sdpa", NAME)) + " |",
-              flush=True)
+        cells = (" / ".join(f"{row[a][w]:.1f}" for w in WIDTHS) for a in ("sdpa", NAME))
+        print(f"| {context} | " + " | ".join(cells) + " |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -60,8 +60,8 @@ def test_grouped_attention_matches_sdpa_on_chains_trees_and_padded_rows(name: st
                 kv = new_kv(model, "dynamic")
                 kv.run(prompt)
                 kv.keep(range(prompt.shape[1]))
-                logits, _ = kv.run(torch.randint(3, 200, (1, len(parents) + 1), generator=torch.Generator().manual_seed(1)),
-                                   torch.tensor(parents))
+                drafts = torch.randint(3, 200, (1, len(parents) + 1), generator=torch.Generator().manual_seed(1))
+                logits, _ = kv.run(drafts, torch.tensor(parents))
                 got.append(logits)
             torch.testing.assert_close(got[1], got[0], rtol=1e-5, atol=1e-5)
         # left-padded rows (the batch sweep): two prompts of different lengths, then a chain pass in each
