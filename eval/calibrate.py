@@ -3,8 +3,8 @@
     costs = measure_costs(target, subject, cfg.eval, questions)   # Costs: verify, cal, cal_ng, k, k_ng, ...
     report["costs"] = costs.section()
 
-k is tuned on prompts that are in no benchmark (the bundled training conversations), never on the test
-questions; the cost model itself is eval.costs'. Called by eval.run.evaluate (python -m eval.run).
+k and the adaptive policy's prior are measured on data/bundled/calibration_prompts.jsonl (in no benchmark and
+in no bundled training data), never on the test questions; the cost model itself is eval.costs'. Called by eval.run.evaluate (python -m eval.run).
 """
 
 from __future__ import annotations
@@ -26,12 +26,16 @@ if TYPE_CHECKING:
     from eval.turns import Subject, Target
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32, 64)  # tokens per target pass measured for T(n)
-# k is tuned on prompts that are in no benchmark (GSM8K *train* questions), never on the test questions.
-CALIBRATION_FILE = Path(__file__).resolve().parent.parent / "data" / "bundled" / "tiny_conversations.jsonl"
+# k and the policy's prior are measured on prompts that are in no benchmark and in no training data this project
+# bundles: four requests written for it (an explanation, an email, a function, a question over a given text).
+# It used to be the first two GSM8K train questions, which the quickstart's mix trains the head on: its
+# calibration then measured how well the head recalls answers it was trained on (a deep prior of 0.54 / 0.67 /
+# 1.0), and the adaptive policy drafted deep on requests where no second draft token was ever accepted.
+CALIBRATION_FILE = Path(__file__).resolve().parent.parent / "data" / "bundled" / "calibration_prompts.jsonl"
 
 
-def calibration_prompts(tok: Any, device: torch.device, n: int = 2) -> list[torch.Tensor]:
-    """The first user turn of the first n bundled training conversations, chat-templated."""
+def calibration_prompts(tok: Any, device: torch.device, n: int | None = None) -> list[torch.Tensor]:
+    """The first user turn of the first n (default: every) calibration prompts, chat-templated."""
     records, _ = read_records(CALIBRATION_FILE, max_samples=n)
     return [prompt_ids(tok, [next(m for m in r.messages if m["role"] == "user")], device) for r in records]
 

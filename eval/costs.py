@@ -305,11 +305,37 @@ def measure_draft_share(
     return shares
 
 
+# A calibration judges a depth only on the passes that accepted every shallower one: its few dozen passes judge
+# depth 1 thirty times and depth 4 a handful (the quickstart head once read 4 accepted of 4 there: a rate of 1.0). Each depth's rate
+# is pulled toward the one above it by this many judgments (`shrunk_rates`).
+PRIOR_PSEUDO_JUDGED = 4.0
+
+
+def shrunk_rates(accepted: Sequence[float], judged: Sequence[float],
+                 pseudo: float = PRIOR_PSEUDO_JUDGED) -> list[float]:
+    """Conditional acceptance per depth, each depth's pulled toward the depth above it by `pseudo` judgments, up
+    to the first untested depth: (accepted(d) + pseudo * rate(d-1)) / (judged(d) + pseudo); depth 1 as measured.
+
+    Why: a draft length is chosen by a maximum over depths and the deepest measured rate stands for every deeper
+    depth (eval.speedup.extend_rates), so a rate that came out high by chance on a few judgments buys deep
+    drafts, and a request that rarely accepts depth 1 seldom judges the deep ones to correct it. A rate
+    measured often keeps its value.
+    Example: accepted [14, 7, 4, 4, 2], judged [31, 13, 6, 4, 4] -> [0.452, 0.518, 0.607, 0.804, 0.652];
+    accepted [3, 1, 0], judged [4, 2, 0] -> [0.75, 0.667].
+    """
+    out: list[float] = []
+    for a, j in zip(accepted, judged):
+        if not j:
+            break
+        out.append(a / j if not out else (a + pseudo * out[-1]) / (j + pseudo))
+    return out
+
+
 @dataclass
 class Calibration:
     """What a calibration run measured for one drafter."""
 
-    acceptance: list[float]  # conditional acceptance per depth
+    acceptance: list[float]  # conditional acceptance per depth (shrunk_rates; 0 past the deepest one judged)
     draft_rate: float  # fraction of passes with a draft
     draft_cost: DraftCost
     stats: GenerationStats
@@ -339,7 +365,9 @@ def calibrate(
     points = [(r.drafted_tokens / r.target_passes, r.draft_time_s / r.target_passes)
               for r in runs.values() if r.target_passes]
     main = runs[k]
-    return Calibration(main.acceptance_rates, main.draft_rate, DraftCost.fit(points), main)
+    rates = shrunk_rates(main.accepted_per_position, main.judged_per_position)
+    rates += [0.0] * (len(main.judged_per_position) - len(rates))
+    return Calibration(rates, main.draft_rate, DraftCost.fit(points), main)
 
 
 def expected_tokens(acceptance: Sequence[float], k: int, draft_rate: float = 1.0) -> float:

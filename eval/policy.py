@@ -49,7 +49,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from eval.costs import DraftCost, VerifyCost, speedup
+from eval.costs import DraftCost, VerifyCost, shrunk_rates, speedup
 from eval.decoder import GenerationStats
 from eval.speedup import extend_rates
 from heads.base import DraftTree
@@ -60,18 +60,15 @@ MAX_PROBE_GAP_FACTOR = 8  # re-probes back off from probe_every to at most 8 * p
 
 
 def measured_prior(stats: GenerationStats) -> list[float]:
-    """Conditional acceptance per depth where it was measured: up to the first depth no pass tested.
+    """Conditional acceptance per depth where it was measured, each depth pulled toward the one above it by a few
+    judgments (eval.costs.shrunk_rates: a deep rate measured on a handful of passes is mostly chance), up to the
+    first depth no pass tested.
 
     GenerationStats.acceptance_rates reports 0 for an untested depth, which as a prior would keep the policy
     from ever drafting that deep; here the list stops instead, and the policy repeats its last rate deeper
-    (eval.speedup.extend_rates). Example: accepted [3, 1, 0], judged [4, 2, 0] -> [0.75, 0.5].
+    (eval.speedup.extend_rates). Example: accepted [3, 1, 0], judged [4, 2, 0] -> [0.75, 0.667].
     """
-    out = []
-    for a, j in zip(stats.accepted_per_position, stats.judged_per_position):
-        if not j:
-            break
-        out.append(a / j)
-    return out
+    return shrunk_rates(stats.accepted_per_position, stats.judged_per_position)
 
 
 def isotonic(verify: VerifyCost) -> VerifyCost:

@@ -85,6 +85,16 @@ MUTANTS: list[Mutant] = [
            "attn_mask=attention_mask, dropout_p=dropout,",
            "attn_mask=None, dropout_p=dropout,",
            ("tests/test_attention.py",), quick=True),
+    # the policy's prior per depth (eval.costs.shrunk_rates): a deep rate judged twice must not be taken as is
+    Mutant("prior_trusts_few_judgments", "eval/costs.py",
+           "        out.append(a / j if not out else (a + pseudo * out[-1]) / (j + pseudo))",
+           "        out.append(a / j)",
+           ("tests/test_policy.py", "-k", "deep_rate"), quick=True),
+    # the calibration must not measure the head on prompts it trained on (the quickstart mixes GSM8K train in)
+    Mutant("calibration_on_training_prompts", "eval/calibrate.py",
+           '/ "data" / "bundled" / "calibration_prompts.jsonl"',
+           '/ "data" / "bundled" / "tiny_conversations.jsonl"',
+           ("tests/test_eval.py", "-k", "calibration_prompts")),
     Mutant("kv_fork_shares_the_prefill", "data/kvcache.py",
            "        twin.cache = copy.deepcopy(self.cache)",
            "        twin.cache = self.cache",

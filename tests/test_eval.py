@@ -14,8 +14,10 @@ import torch
 import eval.run as run
 import eval.turns as turns
 from data.config import EvalConfig, TargetConfig
-from data.readers import DataError
+from data.prompts import BENCHMARK_FILES, benchmark_index
+from data.readers import DataError, read_records
 from eval.bench import load_questions
+from eval.calibrate import CALIBRATION_FILE
 from eval.report import PLOTS, markdown
 from heads import registry
 from heads.base import HeadError, HeadMismatchError, save_head
@@ -241,6 +243,19 @@ def test_questions_round_robin_and_humaneval_ask():
     assert len(load_questions("gsm8k", 5)) == 5
     with pytest.raises(DataError, match="max_questions"):
         load_questions("gsm8k", 0)
+
+
+def test_calibration_prompts_are_in_no_benchmark_and_no_bundled_training_file():
+    """The adaptive policy's prior (eval.calibrate) must be measured on text the head neither trained on nor is
+    tested on: the quickstart mixes GSM8K train questions into its training prompts, and the first two of them
+    (the bundled tiny conversations) were the calibration once, which priced a memorised answer's deep
+    acceptance as any request's."""
+    bundled = CALIBRATION_FILE.parent
+    index = benchmark_index(5, BENCHMARK_FILES + (bundled / "gsm8k_train.jsonl", bundled / "tiny_conversations.jsonl"))
+    records, _ = read_records(CALIBRATION_FILE)
+    turns = [m["content"] for r in records for m in r.messages if m["role"] == "user"]
+    assert len(turns) >= 4 and len({r.id for r in records}) == len(records)
+    assert max(index.max_overlap(t, both_ways=True) for t in turns) < 0.3
 
 
 def test_markdown_handles_missing_values():

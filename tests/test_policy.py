@@ -30,6 +30,7 @@ from test_decoder import (  # noqa: F401  (fixtures)
 )
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import eval.costs as costs
 import eval.drafters as drafters
 from data.features import forward_features
 from data.target import target_io
@@ -315,9 +316,47 @@ def test_the_decoder_reports_the_drafters_own_seconds(target, prompt, reference)
 
 def test_measured_prior_stops_at_the_first_untested_depth():
     st = GenerationStats(accepted_per_position=[3, 1, 0], judged_per_position=[4, 2, 0])
-    assert measured_prior(st) == [0.75, 0.5] and st.acceptance_rates == [0.75, 0.5, 0.0]
+    assert measured_prior(st) == pytest.approx([0.75, 2 / 3]) and st.acceptance_rates == [0.75, 0.5, 0.0]
     assert AdaptivePolicy(VERIFY, {"draft": DraftCost(0, 0)}, {"draft": measured_prior(st)}).prior["draft"][:4] == \
-        [0.75, 0.5, 0.5, 0.5]
+        pytest.approx([0.75, 2 / 3, 2 / 3, 2 / 3])
+
+
+# The quickstart head's calibration (2026-12-05): raw rates 0.45 / 0.54 / 0.67 / 1.0 / 0.5 on 31 / 13 / 6 / 4 / 4
+# judgments. On passage questions its policy drafted 5 deep at a first-depth estimate of 0.3, pricing depth 4's
+# chance 1.0; no second draft token was ever accepted there.
+QS_ACCEPTED, QS_JUDGED = [14, 7, 4, 4, 2], [31, 13, 6, 4, 4]
+# About that run's costs: a plain pass 54 ms, one drafted token 64, five 70 (its timed passes' medians), and the
+# calibration's draft line (1.1 ms + 1.4 ms per token).
+QS_VERIFY = VerifyCost({1: 0.0544, 2: 0.0642, 3: 0.0670, 4: 0.0690, 5: 0.0700, 6: 0.0742, 7: 0.0760, 8: 0.0790,
+                        9: 0.0810}, context_len=200)
+QS_DRAFT = DraftCost(0.0011, 0.0014)
+
+
+def test_a_deep_rate_judged_a_few_times_is_pulled_toward_the_depth_above():
+    st = GenerationStats(accepted_per_position=QS_ACCEPTED + [0, 0, 0], judged_per_position=QS_JUDGED + [2, 0, 0])
+    # each depth: (accepted + 4 * the shrunk rate above) / (judged + 4); depth 1 as measured
+    expect = [14 / 31]
+    for a, j in zip(QS_ACCEPTED[1:] + [0], QS_JUDGED[1:] + [2]):
+        expect.append((a + 4 * expect[-1]) / (j + 4))
+    assert measured_prior(st) == pytest.approx(expect) and expect[3] == pytest.approx(0.804, abs=1e-3)
+    # a rate judged hundreds of times keeps its value; the calibration's list is padded with 0 past what was judged
+    often = GenerationStats(accepted_per_position=[50, 300, 0], judged_per_position=[100, 400, 0])
+    assert measured_prior(often) == pytest.approx([0.5, 0.75], abs=3e-3)
+    cal = costs.Calibration(costs.shrunk_rates([1, 1], [2, 1]) + [0.0], 1.0, QS_DRAFT, often)
+    assert cal.acceptance == pytest.approx([0.5, 0.6, 0.0])
+
+
+def test_a_chance_deep_rate_does_not_buy_deep_drafts():
+    """A last measured rate is repeated to every deeper depth (eval.speedup.extend_rates): 2 accepted of 2 at
+    depth 2, behind 8 of 40 at depth 1, priced raw says every token past the first is certain and buys an 8-deep
+    draft at the quickstart's costs; shrunk (0.47 there) it buys at most 2 (mutant prior_trusts_few_judgments)."""
+    st = GenerationStats(accepted_per_position=[8, 2, 0], judged_per_position=[40, 2, 0])
+    raw = [a / j for a, j in zip(st.accepted_per_position[:2], st.judged_per_position[:2])]
+    chosen = {}
+    for name, prior in (("raw", raw), ("shrunk", measured_prior(st))):
+        pol = AdaptivePolicy(QS_VERIFY, {"draft": QS_DRAFT}, {"draft": prior})
+        chosen[name] = pol.best_lengths(["draft"], {"draft": 8})["draft"]
+    assert chosen["raw"] == 8 and chosen["shrunk"] <= 2, chosen
 
 
 def test_the_verify_curve_is_priced_nondecreasing():
