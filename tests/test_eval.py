@@ -105,6 +105,9 @@ def test_evaluate_head_writes_report(tmp_path, tiny_target, monkeypatch):
     sm = saved["speedup_model"]
     assert 1 <= sm["best_k"] <= 8 and set(map(str, range(1, 9))) <= set(sm["predicted"])
     assert sm["measured"]["k"] == 2 and "predicted_speedup" in sm["measured"]
+    # the calibration reports its counts beside the rates it priced (pulled toward the depth above: shrunk_rates)
+    cal = saved["costs"]["calibration"]
+    assert cal["prompts"] == CALIBRATION_FILE.name and len(cal["judged_per_position"]) == 8
     bs = saved["batch_sweep"]
     assert [r["batch_size"] for r in bs["rows"]] == [1, 2]
     # the trained head, the hybrid and the load-aware policy run batched, each row identical to plain
