@@ -4,7 +4,8 @@
     report["costs"] = costs.section()
 
 k and the adaptive policy's prior are measured on data/bundled/calibration_prompts.jsonl (in no benchmark and
-in no bundled training data), never on the test questions; the cost model itself is eval.costs'. Called by eval.run.evaluate (python -m eval.run).
+in no bundled training data), never on the test questions; the cost model itself is eval.costs'. Called by
+eval.run.evaluate (python -m eval.run).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class Costs:
                             "draft_rate": cal.draft_rate, "chosen_k": self.best_k,
                             "predicted_speedup": self.best_speedup},
             "ngram_calibration": {"acceptance_per_position": cal_ng.acceptance,
-                                  "judged_per_position": cal_ng.stats.judged_per_position, "draft_rate": cal_ng.draft_rate,
+                                  "judged_per_position": cal_ng.stats.judged_per_position,
+                                  "draft_rate": cal_ng.draft_rate,
                                   "draft_cost": {"fixed_s": cal_ng.draft_cost.fixed_s,
                                                  "per_token_s": cal_ng.draft_cost.per_token_s},
                                   "chosen_k": self.ngram_best_k},

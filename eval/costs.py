@@ -306,8 +306,8 @@ def measure_draft_share(
 
 
 # A calibration judges a depth only on the passes that accepted every shallower one: its few dozen passes judge
-# depth 1 thirty times and depth 4 a handful (the quickstart head once read 4 accepted of 4 there: a rate of 1.0). Each depth's rate
-# is pulled toward the one above it by this many judgments (`shrunk_rates`).
+# depth 1 thirty times and depth 4 a handful (the quickstart head once read 4 accepted of 4 there: a rate of
+# 1.0). Each depth's rate is pulled toward the one above it by this many judgments (`shrunk_rates`).
 PRIOR_PSEUDO_JUDGED = 4.0
 
 
