@@ -35,9 +35,9 @@ VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32, 64)  # tokens per target pass
 CALIBRATION_FILE = Path(__file__).resolve().parent.parent / "data" / "bundled" / "calibration_prompts.jsonl"
 
 
-def calibration_prompts(tok: Any, device: torch.device, n: int | None = None) -> list[torch.Tensor]:
-    """The first user turn of the first n (default: every) calibration prompts, chat-templated."""
-    records, _ = read_records(CALIBRATION_FILE, max_samples=n)
+def calibration_prompts(tok: Any, device: torch.device) -> list[torch.Tensor]:
+    """The first user turn of every calibration prompt, chat-templated."""
+    records, _ = read_records(CALIBRATION_FILE)
     return [prompt_ids(tok, [next(m for m in r.messages if m["role"] == "user")], device) for r in records]
 
 
