@@ -154,6 +154,9 @@ class AdaptivePolicy:
         # (`proposal_key`: the n-gram's match order); `key` maps each proposer to its current proposal's key.
         self.accepted: dict[str, list[float]] = {s: [0.0] * self.k_max for s in self.prior}
         self.judged: dict[str, list[float]] = {s: [0.0] * self.k_max for s in self.prior}
+        # Per proposer, undecayed: what this request measured per depth, for a run to pool (eval.turns)
+        self.tally: dict[str, tuple[list[int], list[int]]] = {s: ([0] * self.k_max, [0] * self.k_max)
+                                                              for s in self.prior}
         self.shared: dict[str, float] = {}  # per proposer: the share of its own draft a batched draft costs
         self.key = {s: s for s in self.prior}
         self.keys = {s: {s} for s in self.prior}  # every key each proposer's proposals were priced as
@@ -343,9 +346,12 @@ class AdaptivePolicy:
             if key not in self.accepted:
                 self.accepted[key], self.judged[key] = [0.0] * self.k_max, [0.0] * self.k_max
             acc, jud = self.accepted[key], self.judged[key]
+            raw_acc, raw_jud = self.tally[s]
             for d in range(tested):
                 jud[d] = self.decay * jud[d] + 1.0
                 acc[d] = self.decay * acc[d] + float(d < got)
+                raw_jud[d] += 1
+                raw_acc[d] += int(d < got)
             self.width[s] = 0.5 * self.width[s] + 0.5 * len(mine) / max(depth[i] for i in mine)
 
 

@@ -113,11 +113,15 @@ class Turns:
     make_head: Callable[[], Drafter] = field(init=False)
     learned: LearnedVerifyCost = field(init=False)  # T(n) refined by every policy's timed passes, all run long
     caches: dict[str, KVCache] = field(init=False)  # eval.cache static: each method's own, reused turn to turn
+    # Per method, per proposer: (accepted, judged) per depth over this benchmark's earlier turns at this
+    # temperature, added to the calibration's counts as the next turn's prior (`policy_for`).
+    pooled: dict[str, dict[str, tuple[list[int], list[int]]]] = field(init=False)
+    live: dict[str, AdaptivePolicy] = field(init=False)  # the policies of the turn running now, by method
 
     def __post_init__(self) -> None:
         self.make_head = self.subject.factory(self.costs.k)
         self.learned = LearnedVerifyCost(self.costs.verify)
-        self.caches = {}
+        self.caches, self.pooled, self.live = {}, {}, {}
 
     def run(self, questions: dict[str, list[Question]]) -> list[tuple[str, Tally]]:
         """(temperature key, tally) per eval.temperature, in order."""
@@ -128,6 +132,7 @@ class Turns:
             tally = Tally()
             methods = [m for m in self.subject.methods if not (m == "hf_prompt_lookup" and temp > 0)]
             for bench, qs in questions.items():
+                self.pooled = {}  # a benchmark's requests teach the next ones, not another benchmark's
                 for q in qs:
                     self.question(q, bench, temp, methods, tally, bar)
             runs.append((f"{temp:g}", tally))
@@ -172,7 +177,19 @@ class Turns:
                                                            self.target.tok.pad_token_id)
         if "plain" in results:
             self.observe_plain(results["plain"][1])
+        self.pool()
         return {n: results[n] for n in names}
+
+    def pool(self) -> None:
+        """Add what each policy of the turn just run measured to its method's pooled counts."""
+        for name, policy in self.live.items():
+            mine = self.pooled.setdefault(name, {})
+            for s, (acc, jud) in policy.tally.items():
+                total_acc, total_jud = mine.setdefault(s, ([0] * len(acc), [0] * len(jud)))
+                for d in range(len(acc)):
+                    total_acc[d] += acc[d]
+                    total_jud[d] += jud[d]
+        self.live = {}
 
     def generate(self, name: str, ids: torch.Tensor, temp: float, seed: int) -> tuple[torch.Tensor, GenerationStats]:
         """One method on one turn, alone: (new ids, stats)."""
@@ -217,17 +234,34 @@ class Turns:
         """A fresh per-request policy for a method (None: fixed k); the n-gram baseline keeps its fixed k."""
         if self.cfg.policy != "adaptive" or name in BASELINES and name != self.subject.main:
             return None
-        return adaptive_policy(self.costs, self.learned, name.endswith("+ngram"), margin=SINGLE_STREAM_MARGIN)
+        policy = adaptive_policy(self.costs, self.learned, name.endswith("+ngram"), margin=SINGLE_STREAM_MARGIN,
+                                 pooled=self.pooled.get(name))
+        self.live[name] = policy
+        return policy
 
 
-def adaptive_policy(costs: Costs, verify: LearnedVerifyCost | Any, hybrid: bool, margin: float = 1.0) -> AdaptivePolicy:
+def adaptive_policy(costs: Costs, verify: LearnedVerifyCost | Any, hybrid: bool, margin: float = 1.0,
+                    pooled: dict[str, tuple[list[int], list[int]]] | None = None) -> AdaptivePolicy:
     """A fresh per-request AdaptivePolicy: the calibration's acceptance as the prior and its draft cost, per
     proposer ("head" and "ngram" for a hybrid, else "draft"); `verify` prices the passes (eval.policy); a
-    draft must be predicted `margin` times faster than plain (the batch sweep's rows leave that to the gate)."""
-    c = costs
-    if hybrid:
-        return AdaptivePolicy(verify, {"head": c.cal.draft_cost, "ngram": c.cal_ng.draft_cost},
-                              {"head": measured_prior(c.cal.stats), "ngram": measured_prior(c.cal_ng.stats)},
-                              margin=margin)
-    return AdaptivePolicy(verify, {"draft": c.cal.draft_cost}, {"draft": measured_prior(c.cal.stats)}, margin=margin)
+    draft must be predicted `margin` times faster than plain (the batch sweep's rows leave that to the gate).
 
+    pooled: per proposer, (accepted, judged) per depth that earlier requests of the run measured, added to the
+    calibration's counts before they become the prior (eval.costs.shrunk_rates). Why: a request learns its own
+    acceptance from a few dozen passes, too few to pay for exploring where the head is of little use (a
+    passage file at a first-depth acceptance of 0.2 and none deeper, against the calibration's 0.51 / 0.47);
+    the file's earlier requests have measured it already."""
+    c = costs
+    cals = {"head": c.cal, "ngram": c.cal_ng} if hybrid else {"draft": c.cal}
+
+    def prior(s: str) -> list[float]:
+        st = cals[s].stats
+        acc, jud = list(st.accepted_per_position), list(st.judged_per_position)
+        more_acc, more_jud = (pooled or {}).get(s, ([], []))
+        for d in range(min(len(acc), len(more_acc))):
+            acc[d] += more_acc[d]
+            jud[d] += more_jud[d]
+        return measured_prior(GenerationStats(accepted_per_position=acc, judged_per_position=jud))
+
+    return AdaptivePolicy(verify, {s: cal.draft_cost for s, cal in cals.items()}, {s: prior(s) for s in cals},
+                          margin=margin)

@@ -95,6 +95,11 @@ MUTANTS: list[Mutant] = [
            '/ "data" / "bundled" / "calibration_prompts.jsonl"',
            '/ "data" / "bundled" / "tiny_conversations.jsonl"',
            ("tests/test_eval.py", "-k", "calibration_prompts")),
+    # a benchmark's earlier turns are the next turn's prior (eval.turns.Turns.pool)
+    Mutant("prior_never_pooled", "eval/turns.py",
+           "                                 pooled=self.pooled.get(name))",
+           "                                 pooled=None)",
+           ("tests/test_eval.py", "-k", "earlier_turns")),
     Mutant("kv_fork_shares_the_prefill", "data/kvcache.py",
            "        twin.cache = copy.deepcopy(self.cache)",
            "        twin.cache = self.cache",

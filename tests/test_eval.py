@@ -18,7 +18,9 @@ from data.prompts import BENCHMARK_FILES, benchmark_index
 from data.readers import DataError, read_records
 from eval.bench import load_questions
 from eval.calibrate import CALIBRATION_FILE
+from eval.costs import shrunk_rates
 from eval.report import PLOTS, markdown
+from eval.speedup import extend_rates
 from heads import registry
 from heads.base import HeadError, HeadMismatchError, save_head
 from heads.eagle import Eagle3Config
@@ -161,6 +163,43 @@ def test_hybrid_eval_runs_the_head_alone_beside_it_and_reports_the_policy(tmp_pa
     md = (out / "report.md").read_text()
     assert "## Drafting policy" in md and "| humaneval | eagle3+ngram | all |" in md and "| humaneval | eagle3 |" in md
     assert ", drafting in bfloat16," in md
+
+
+def test_a_benchmark_s_earlier_turns_are_the_next_turn_s_prior(tmp_path, tiny_target, monkeypatch):
+    """eval.turns pools what each method's policies measured, per benchmark: a turn's policy starts from the
+    calibration's counts plus every earlier turn's of the same benchmark and method (mutant prior_never_pooled),
+    and a new benchmark starts from the calibration alone."""
+    made = []  # (hybrid, its pooled counts when made, the policy, the costs)
+    real = turns.adaptive_policy
+
+    def spy(costs, verify, hybrid, margin=1.0, pooled=None):
+        policy = real(costs, verify, hybrid, margin, pooled)
+        made.append((hybrid, None if pooled is None else {s: (list(a), list(j)) for s, (a, j) in pooled.items()},
+                     policy, costs))
+        return policy
+
+    monkeypatch.setattr(turns, "adaptive_policy", spy)
+    folder = _head(tmp_path, tiny_target, "head")
+    run.evaluate(folder, _cfg(bench=["mt_bench", "gsm8k"], max_questions=2, max_new_tokens=12, num_draft_tokens=None,
+                              batch_sizes=[1]),
+                 tmp_path / "ev", TargetConfig(name_or_path="tiny-random-llama"), drafter="head", loaded=tiny_target,
+                 sweep_new_tokens=2, log=lambda s: None)
+    single = [m for m in made if not m[0]][:6]  # the turns' policies (the batch sweep's come after)
+    assert single[0][1] is None and single[4][1] is None  # each benchmark starts from the calibration alone
+    for start, end in ((0, 4), (4, 6)):  # mt_bench: 2 questions x 2 turns, then gsm8k: 2 x 1
+        for i in range(start + 1, end):
+            acc, jud = single[i][1]["draft"]
+            earlier = [m[2].tally["draft"] for m in single[start:i]]
+            assert jud == [sum(t[1][d] for t in earlier) for d in range(len(jud))]
+            assert acc == [sum(t[0][d] for t in earlier) for d in range(len(acc))]
+    _, pooled, policy, costs = single[3]
+    assert sum(pooled["draft"][1]) > 0  # the earlier turns judged drafts
+    # the prior: the calibration's counts plus the pooled ones, each depth pulled toward the one above
+    st = costs.cal.stats
+    acc = [a + b for a, b in zip(st.accepted_per_position, pooled["draft"][0])]
+    jud = [a + b for a, b in zip(st.judged_per_position, pooled["draft"][1])]
+    want = extend_rates(shrunk_rates(acc, jud), policy.k_max)
+    assert policy.prior["draft"] == pytest.approx(want)
 
 
 def _matrices(n_params: int) -> torch.nn.Module:
