@@ -27,8 +27,9 @@ E(l) * T(1) / time(l) are drafted; all zero is a plain pass (T(1), E = 1). A pro
 known before drafting, the n-gram's match, is probed whole: it costs nothing to draft and its worth is in its
 deep positions, which one token would never measure), so a
 request that becomes predictable gets drafts again; while probes do not bring it back the gap doubles
-(8, 16, 32, 64 passes), so a drafter that never helps costs little more than plain decoding. The prior is the calibration's acceptance, which is
-what the calibrated k was chosen from; reset's k is the first pass's length.
+(8, 16, 32, 64 passes), so a drafter that never helps costs little more than plain decoding. The prior is the
+calibration's acceptance, which is what the calibrated k was chosen from (in the eval, with the benchmark's earlier
+turns' counts added: eval.turns.adaptive_policy); reset's k is the first pass's length.
 
 The verify curve T(n) starts as eval.costs' probe (a few timed forwards on a synthetic context before the
 run) and learns from the run itself: every verify pass the decoder times is an observation of T(1 + nodes)

@@ -19,8 +19,9 @@ each timed over its own passes), so machine noise hits plain and speculative dec
   ngram             baseline: prompt lookup through the same decoder at its own calibrated k (fixed)
   hf_prompt_lookup  baseline: transformers' own prompt-lookup assisted generation at that k (greedy turns only)
 With eval.policy "adaptive" (the default) the head-based methods (and the n-gram when it is the drafter
-under evaluation) choose every pass's draft length per request (eval.policy.AdaptivePolicy: calibrated
-acceptance as the prior, the measured T(n) and draft cost), down to plain passes; "fixed" drafts k every pass.
+under evaluation) choose every pass's draft length per request (eval.policy.AdaptivePolicy: the calibration's
+acceptance plus the benchmark's earlier turns as the prior, the measured T(n) and draft cost), down to plain
+passes; "fixed" drafts k every pass.
 tau is tokens per target forward pass counting the corrected or bonus token (SGLang's accept_length,
 EAGLE's tau); tokens/s and speedup are end to end per turn (prefill included); decode_speedup leaves
 prefill out and is what the speedup model predicts. Outputs in --out: report.json, report.md, *.png,
