@@ -27,6 +27,7 @@ from eval.costs import (
     ideal_speedup,
     measure_verify_cost,
     predicted_speedup,
+    shrunk_rates,
 )
 from eval.decoder import (
     GenerationStats,
@@ -613,6 +614,12 @@ def test_measured_costs_on_tiny_model(target, prompt, reference):
     assert set(vc.seconds) == {1, 4} and all(v > 0 for v in vc.seconds.values())
     cal = calibrate(target, NgramDrafter(), [prompt], k=4, max_new_tokens=24)
     assert len(cal.acceptance) <= 4 and 0 < cal.draft_rate <= 1 and cal.draft_cost.fixed_s >= 0
+    # the rates it prices are shrunk_rates of its counts, 0 past the deepest depth judged (a drafter right 30% of
+    # the time per token: its raw rates differ from the shrunk ones)
+    adv = calibrate(target, AdversarialDrafter(reference, seed=1), [prompt], k=4, max_new_tokens=MAX_NEW)
+    rates = shrunk_rates(adv.stats.accepted_per_position, adv.stats.judged_per_position)
+    assert adv.acceptance == rates + [0.0] * (len(adv.stats.judged_per_position) - len(rates))
+    assert adv.acceptance != pytest.approx(adv.stats.acceptance_rates)
     _, st = speculative_generate(target, prompt, OracleDrafter(reference, right=True), 3, MAX_NEW)
     # Free drafting and a flat verify: the ideal speedup is tau itself.
     assert ideal_speedup(st, VerifyCost({1: 1.0}, 0), DraftCost(0.0, 0.0)) == pytest.approx(st.tau)
