@@ -173,7 +173,8 @@ class PromptDomain:
     openers: list[Str] = field(default_factory=list)  # opening words of the user turn; one is drawn per item
     # Context-carrying domains (summarise, answer from a passage, translate, extract, continue code): with
     # `requests`, the target's text (or, with `passages`, a supplied passage) is a PASSAGE and the user turn is
-    # the passage, a blank line, then one request drawn per item ("Summarise the text above in two sentences.").
+    # the passage, a blank line, then one request drawn per item ("Summarise the text above in two sentences."),
+    # or a request holding `{passage}` with the passage in its place ("Complete this function:\n\n{passage}").
     requests: list[Str] = field(default_factory=list)
     # A file of passages to use instead of sampling them: JSONL with a "text" field per line, or plain text
     # with passages separated by blank lines (relative paths from the working folder); needs `requests`.

@@ -12,7 +12,8 @@ How a prompt is made (settings in the `prompts` config section, data/config.py):
   a few opening words ("openers") the target continues; both steer a small target towards the domain.
 - a context-carrying domain (one with `requests`) makes prompts that hold a passage: the sampled text (or a
   passage drawn from the domain's `passages` file) is the passage, and the user turn is the passage, a blank
-  line and one request drawn per item ("Summarise the text above."). A sampled passage cut off at
+  line and one request drawn per item ("Summarise the text above."); a request holding `{passage}` places the
+  passage there instead ("Complete this function:\\n\\n{passage}"). A sampled passage cut off at
   max_new_tokens is trimmed to its last finished sentence instead of being dropped as unfinished. Answers
   to such prompts copy from their context, which is what drafting on summarisation and retrieval needs.
 - item i draws its domain (by weight), opener and sampling seed from a generator seeded by (seed, i), and
@@ -279,8 +280,9 @@ def trim_passage(text: str) -> str:
 
 
 def context_prompt(passage: str, request: str) -> str:
-    """The user turn of a context-carrying domain: the passage, a blank line, the request."""
-    return f"{passage}\n\n{request}"
+    """The user turn of a context-carrying domain: the passage, a blank line, the request; or, where the request
+    holds `{passage}`, the request with the passage in its place ("Complete this function:\\n\\n{passage}")."""
+    return request.replace("{passage}", passage) if "{passage}" in request else f"{passage}\n\n{request}"
 
 
 def check_prompts_config(pcfg: PromptsConfig) -> None:

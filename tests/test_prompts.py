@@ -224,6 +224,27 @@ def test_supplied_passages_make_passage_then_request_prompts(tmp_path, tiny):
         pr.write_prompts(_cfg(tmp_path / "out", *_passage_flags(src), "--prompts.mix_share=0"), *tiny)
 
 
+def test_a_request_holding_passage_places_the_passage_there():
+    assert pr.context_prompt("def f(x):\n", "Complete it.\n\n```python\n{passage}```") == \
+        "Complete it.\n\n```python\ndef f(x):\n```"
+    assert pr.context_prompt("Some text.", "Summarise the text above.") == "Some text.\n\nSummarise the text above."
+
+
+def test_bundled_code_stubs_are_stubs_and_no_benchmark():
+    """data/bundled/python_stubs.jsonl (scripts/make_code_stubs.py): each passage is a function cut after its
+    docstring (it parses once a body is added and has none before), none overlaps a benchmark prompt."""
+    import ast
+    stubs_file = ROOT / "data" / "bundled" / "python_stubs.jsonl"
+    cfg = load_config(None, [f"--prompts.domains=[{{name: s, requests: ['{{passage}}'], passages: '{stubs_file}'}}]"]).prompts
+    stubs = pr.read_passages(cfg)[0]["s"]
+    bench = pr.benchmark_index(cfg.ngram)
+    assert len(stubs) == 400
+    for stub in stubs:
+        fn = ast.parse(stub + "\n    pass\n").body[0]
+        assert isinstance(fn, ast.FunctionDef) and ast.get_docstring(fn) and len(fn.body) == 2
+        assert bench.max_overlap(stub, both_ways=True) < cfg.max_bench_overlap
+
+
 def test_sampled_passages_are_trimmed_not_dropped(tmp_path, tiny, monkeypatch):
     # every sampled text is cut off at max_new_tokens: a plain domain drops them all, a context domain keeps
     # each one's finished sentences and appends the request
