@@ -3,7 +3,7 @@
     python scripts/make_code_stubs.py --out data/bundled/python_stubs.jsonl     # what made the bundled file
 
 A stub is a public top-level function of a pure-Python stdlib module cut after its docstring: the `def` line(s)
-and the docstring, no body, as a HumanEval problem is. A `code_stub` prompt domain (configs/smollm2-135m.yaml)
+and the docstring, no body, as a HumanEval problem is. A `code_stub` prompt domain (configs/smollm2-135m-code.yaml)
 reads them as passages and asks the target to complete one, so the head sees the target finish a function from
 its signature and docstring. The stdlib is under the PSF license (data/bundled/licenses/Python.LICENSE); the
 selection is deterministic for a given Python version (the bundled file's is in data/bundled/README.md):

@@ -232,12 +232,14 @@ def test_a_request_holding_passage_places_the_passage_there():
 
 def test_bundled_code_stubs_are_stubs_and_no_benchmark():
     """data/bundled/python_stubs.jsonl (scripts/make_code_stubs.py): each passage is a function cut after its
-    docstring (it parses once a body is added and has none before), none overlaps a benchmark prompt."""
+    docstring (it parses once a body is added and has none before), none overlaps a benchmark prompt or the eval's
+    calibration prompts (a training file the calibration ran on would measure recall, tests/test_eval.py)."""
     import ast
-    stubs_file = ROOT / "data" / "bundled" / "python_stubs.jsonl"
-    cfg = load_config(None, [f"--prompts.domains=[{{name: s, requests: ['{{passage}}'], passages: '{stubs_file}'}}]"]).prompts
+    bundled = ROOT / "data" / "bundled"
+    cfg = load_config(None, [f"--prompts.domains=[{{name: s, requests: ['{{passage}}'], "
+                             f"passages: '{bundled / 'python_stubs.jsonl'}'}}]"]).prompts
     stubs = pr.read_passages(cfg)[0]["s"]
-    bench = pr.benchmark_index(cfg.ngram)
+    bench = pr.benchmark_index(cfg.ngram, pr.BENCHMARK_FILES + (bundled / "calibration_prompts.jsonl",))
     assert len(stubs) == 400
     for stub in stubs:
         fn = ast.parse(stub + "\n    pass\n").body[0]
