@@ -114,7 +114,7 @@ class TargetConfig:
     # CPU float32 inference (eval, prompts, regeneration). packed: the large matrices run on oneDNN-prepacked
     # weights (data.packed; on one machine a verify pass over 2-3 tokens went from 1.6-2x to 1.2x a one-token
     # pass, on another packing made it 2.3x); dense: torch's default kernels; auto: the decoder's target
-    # (eval, benchmarks) times both at load and keeps the faster (printed), batched generation packs.
+    # (eval, benchmarks) times both at load and keeps the faster (printed), batched generation runs dense.
     cpu_kernels: Literal["auto", "packed", "dense"] = "auto"
 
 

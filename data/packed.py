@@ -41,8 +41,10 @@ target (`load_model(cfg, decode=True, verify=True)`: eval, the benchmarks) pack,
 passes over 1-4 tokens both ways on the machine at hand (choose_kernels: 32 passes at load) and keep packed
 only where it is at least AUTO_MARGIN cheaper; otherwise the layers go back to nn.Linear. The choice is
 printed; a machine near the margin can choose differently from one load to the next (set `packed` or
-`dense` to pin it). Batched generation (prompt writing, regeneration: 32 rows a pass, the same speed either
-way) packs under `auto`, so the data stages' outputs never depend on a timing.
+`dense` to pin it). Batched generation (prompt writing, regeneration: 32 rows a pass) runs dense under `auto`,
+untimed, so the data stages' outputs never depend on a timing: the same speed either way on the first
+machine, and dense the faster on an AVX-512/AMX one (`scripts/bench_regenerate.py --batches 32 --kernels
+packed,dense`, the quickstart's first 64 prompts, 128 tokens: 169 against 194 tokens/s, answers identical).
 
 `target.cpu_kernels: packed` applies it wherever the target decodes
 (`data.target.load_model(cfg, decode=True)`): eval, prompt writing, regeneration. A packed layer keeps its dense `weight`/`bias` (shared, so code that reads

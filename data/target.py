@@ -192,8 +192,9 @@ def load_model(cfg: TargetConfig, decode: bool = False, verify: bool = False) ->
     through the output projection), so with `target.cpu_kernels: packed` the large matrices of a CPU float32
     target get oneDNN-prepacked copies (data.packed). verify: the caller verifies drafts (eval, benchmarks:
     passes of 1-4 rows), so with `auto` (the default) the kernels are timed both ways here and the faster
-    kept; batched generation (verify False: prompt writing, regeneration) keeps them packed under `auto`,
-    since its wide passes run at the same speed either way and its outputs must not hang on a timing. Extraction (no output projection) and training (ZeRO-3
+    kept; batched generation (verify False: prompt writing, regeneration) runs dense under `auto`, untimed, so
+    its outputs never hang on a timing: its 32-row passes ran at the same speed either way on one machine and
+    1.15x faster dense on another (data.packed). Extraction (no output projection) and training (ZeRO-3
     partitions the weights it would pack) do not ask for it. A verifying CPU target also groups its key/value
     heads inside SDPA under a mask (data.attention): every pass over drafted tokens has one."""
     name = cfg.name_or_path
@@ -247,7 +248,7 @@ def load_model(cfg: TargetConfig, decode: bool = False, verify: bool = False) ->
         use_gqa_attention(model)
     if decode and cfg.cpu_kernels == "auto" and verify:
         choose_kernels(model)
-    elif decode and cfg.cpu_kernels != "dense":
+    elif decode and cfg.cpu_kernels == "packed":
         pack_linears(model)
     return model
 

@@ -1,11 +1,14 @@
 """Benchmark response regeneration: batched data.regenerate vs one-prompt-at-a-time `model.generate`.
 
-For each batch size, runs the real regeneration pipeline (python -m data.regenerate's code: chat template,
-left-padded batches, EOS stopping, JSONL writes with fsync) on the same greedy prompts and compares its
-generated tokens/s with a baseline that calls `model.generate` on one prompt at a time. Tokens are counted
-the same way in both: each answer's tokens up to and including its EOS (or max_new_tokens).
+For each batch size, runs the real regeneration pipeline (python -m data.regenerate's code: the target loaded
+as it loads it, chat template, left-padded batches, EOS stopping, JSONL writes with fsync) on the same greedy
+prompts and compares its generated tokens/s with a baseline that calls `model.generate` on one prompt at a
+time (torch's dense kernels). Tokens are counted the same way in both: each answer's tokens up to and
+including its EOS (or max_new_tokens). --kernels repeats the rows for each `target.cpu_kernels` (data.packed)
+on a target loaded with it: `packed,dense` compares oneDNN's prepacked matrices with torch's own in one run.
 
     python scripts/bench_regenerate.py --json bench_regenerate.json            # SmolLM2-135M, CPU, ~2-4 min
+    python scripts/bench_regenerate.py --batches 32 --num-prompts 64 --kernels packed,dense
     python scripts/bench_regenerate.py --target tiny-random-llama --num-prompts 4 --max-new-tokens 8
     python scripts/bench_regenerate.py --engine vllm --num-prompts 64 --json vllm.json  # the vllm extra
 
@@ -15,7 +18,7 @@ greedy settings, same token count; JSON {"setup", "hf_tokens_per_s", "vllm_token
 "answers_equal"} (greedy answers identical between the engines; float kernels differ, so near-ties can
 flip an answer). vLLM's start-up (engine processes, weights, memory profiling) is not timed.
 
-Prints a table and writes JSON {"setup": {...}, "rows": [{"batch", "tokens_per_s",
+Prints a table and writes JSON {"setup": {...}, "rows": [{"kernels", "batch", "tokens_per_s",
 "baseline_tokens_per_s", "ratio", ...}, ...]}; `answers_equal_baseline` counts batched answers identical to
 the one-at-a-time greedy answer (float rounding under padding can flip a near-tie; 1-at-a-time should match).
 """
@@ -66,6 +69,13 @@ def _plain_prompts(tmp: str, jobs, prompts: list[str]) -> Path:
     return plain
 
 
+def _warm_prompt(plain: Path) -> Path:
+    """The first prompt alone, beside `plain`: a warm-up run (first-call allocations), not timed."""
+    one = plain.with_name("one.jsonl")
+    one.write_text(plain.read_text().splitlines(keepends=True)[0])
+    return one
+
+
 def _regen_cfg(tcfg: TargetConfig, out: str, prompts: Path, batch: int, max_new_tokens: int,
                engine: str = "hf") -> RunConfig:
     cfg = RunConfig()
@@ -82,8 +92,7 @@ def engines(args: argparse.Namespace, tcfg: TargetConfig, jobs, prompts: list[st
 
     with tempfile.TemporaryDirectory() as tmp:
         plain = _plain_prompts(tmp, jobs, prompts)
-        one = Path(tmp) / "one.jsonl"  # warm-up prompt (first-call allocations), not timed
-        one.write_text(plain.read_text().splitlines(keepends=True)[0])
+        one = _warm_prompt(plain)
         hf_cfg = _regen_cfg(tcfg, os.path.join(tmp, "hf"), plain, args.hf_batch, args.max_new_tokens)
         model, tok, _ = load_engine(hf_cfg)
         regenerate(_regen_cfg(tcfg, os.path.join(tmp, "warm"), one, 1, 4), model, tok)
@@ -116,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); 1 is steadier "
                     "on a machine shared with other jobs, where idle threads spin-wait")
+    ap.add_argument("--kernels", default="auto", help="comma-separated target.cpu_kernels to run the batches with "
+                    "(auto, packed, dense; default auto, what data.regenerate runs)")
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                     help="vllm: transformers' batched generate against vLLM instead (the vllm extra)")
     ap.add_argument("--hf-batch", type=int, default=8, help="--engine vllm: transformers' batch size (default 8)")
@@ -125,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     tcfg = TargetConfig(name_or_path=args.target, device=args.device)
+    kernels = args.kernels.split(",")
+    if bad := [k for k in kernels if k not in ("auto", "packed", "dense")]:
+        ap.error(f"--kernels: {bad[0]!r} is not auto, packed or dense")
     records, _ = read_records(args.prompts, max_samples=args.num_prompts)
     jobs, _ = make_jobs(records, None)
     prompts = [j.users[0] for j in jobs]
@@ -151,24 +165,31 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         plain = _plain_prompts(tmp, jobs, prompts)
-        for b in args.batches:
-            s = regenerate(_regen_cfg(tcfg, os.path.join(tmp, f"b{b}"), plain, b, args.max_new_tokens), model, tok)
-            got, _ = read_records(s["output"], "sharegpt")
-            same = sum(g.messages[-1]["content"] == a for g, a in zip(got, base_answers))
-            rows.append({"batch": b, "tokens_per_s": s["tokens_per_s"], "baseline_tokens_per_s": base_tps,
-                         "ratio": s["tokens_per_s"] / base_tps, "prompts_per_s": s["prompts_per_s"],
-                         "tokens": s["generated_tokens"], "seconds": s["seconds"],
-                         "answers_equal_baseline": same})
+        one = _warm_prompt(plain)
+        for kind in kernels:
+            kcfg = TargetConfig(**{**vars(tcfg), "cpu_kernels": kind})
+            gen = load_model(kcfg, decode=True)  # as data.regenerate loads it
+            regenerate(_regen_cfg(kcfg, os.path.join(tmp, f"warm-{kind}"), one, 1, 4), gen, tok)
+            for b in args.batches:
+                s = regenerate(_regen_cfg(kcfg, os.path.join(tmp, f"{kind}-b{b}"), plain, b, args.max_new_tokens),
+                               gen, tok)
+                got, _ = read_records(s["output"], "sharegpt")
+                same = sum(g.messages[-1]["content"] == a for g, a in zip(got, base_answers))
+                rows.append({"kernels": kind, "batch": b, "tokens_per_s": s["tokens_per_s"],
+                             "baseline_tokens_per_s": base_tps, "ratio": s["tokens_per_s"] / base_tps,
+                             "prompts_per_s": s["prompts_per_s"], "tokens": s["generated_tokens"],
+                             "seconds": s["seconds"], "answers_equal_baseline": same})
+            del gen
     setup = {"target": args.target, "device": args.device, "torch_threads": torch.get_num_threads(),
              "prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
              "baseline_tokens": base_tokens, "baseline_seconds": base_s}
 
     print(f"regeneration throughput: {args.target} on {args.device}, {len(prompts)} prompts, greedy, "
           f"<= {args.max_new_tokens} new tokens ({torch.get_num_threads()} threads)")
-    print(f"{'batch':>5} | {'tokens/s':>9} | {'baseline tok/s':>14} | {'ratio':>6} | {'prompts/s':>9} | "
-          f"{'tokens':>6} | same answers")
+    print(f"{'kernels':>7} | {'batch':>5} | {'tokens/s':>9} | {'baseline tok/s':>14} | {'ratio':>6} | "
+          f"{'prompts/s':>9} | {'tokens':>6} | same answers")
     for row in rows:
-        print(f"{row['batch']:>5} | {row['tokens_per_s']:>9.1f} | {row['baseline_tokens_per_s']:>14.1f} | "
+        print(f"{row['kernels']:>7} | {row['batch']:>5} | {row['tokens_per_s']:>9.1f} | {row['baseline_tokens_per_s']:>14.1f} | "
               f"{row['ratio']:>6.2f} | {row['prompts_per_s']:>9.3f} | {row['tokens']:>6} | "
               f"{row['answers_equal_baseline']}/{len(prompts)}")
     if args.json:
