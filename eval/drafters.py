@@ -21,6 +21,7 @@ All three implement heads.base.Drafter (begin / draft / commit) and draft chains
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -273,11 +274,15 @@ class DeferredSync:
     right after a draft goes through at once (the drafter rolls its own draft back). The deferred path is one
     token list and its features a chunked log (_FeatureLog), so a pass that drafts nothing costs a list
     extend and an append (scripts/bench_batch.py).
+
+    `take_catch_up()` returns (and clears) the seconds the flushes took since it was last asked: what the
+    decoder leaves out of the drafting cost it reports to a policy (eval.policy.AdaptivePolicy.draft_scale).
     """
 
     def __init__(self, inner: Any):
         self.inner = inner
         self.capture_layers = inner.capture_layers
+        self._catch_up_s = 0.0
         self._drafted = False
         self._path: list[int] = []  # the joined deferred path: each commit's tokens, then its next token
         self._log = _FeatureLog()
@@ -290,13 +295,20 @@ class DeferredSync:
 
     def flush(self) -> None:
         """Hand the deferred begin and commits to the drafter: its begin, then one commit of the joined path."""
+        start = time.perf_counter()
         if self._begin is not None:
             args, self._begin = self._begin, None
             self.inner.begin(*args)
-        if not self._path:
-            return
-        path, self._path = self._path, []
-        self.inner.commit_tokens(path[:-1], self._log.take(), path[-1])
+        if self._path:
+            path, self._path = self._path, []
+            self.inner.commit_tokens(path[:-1], self._log.take(), path[-1])
+        self._catch_up_s += time.perf_counter() - start
+
+    def take_catch_up(self) -> float:
+        """Seconds spent handing over deferred work (the prompt's begin, the skipped passes' commits) since the
+        last call; cleared."""
+        seconds, self._catch_up_s = self._catch_up_s, 0.0
+        return seconds
 
     def draft(self, k: int, temperature: float) -> DraftTree:
         if k <= 0:
@@ -409,3 +421,7 @@ class HybridDrafter:
         self.head.commit_tokens(tokens, features, next_token)
         self.ngram.commit_tokens(tokens, None, next_token)
         self._tokens = []
+
+    def take_catch_up(self) -> float:
+        """The head's deferred catch-up seconds (DeferredSync.take_catch_up); the n-gram defers nothing."""
+        return self.head.take_catch_up()

@@ -182,10 +182,12 @@ class AdaptivePolicy:
     def draft_scale(self, source: str) -> float:
         """Observed over priced drafting seconds of `source` so far in this request (1.0 before it drafted):
         its draft costs are priced times this. The calibration times drafts made every pass; in a request the
-        drafter also catches up on the passes it skipped (eval.drafters.DeferredSync's one commit of the
-        joined path) and its tree is merged and committed, which the calibration did not see: on passage
-        questions the quickstart head's drafting passes cost 6 ms more than priced (47.7 against 41.4 ms,
-        the priced draft 2.4 ms), which turned a predicted 1.08x into a measured 0.97x."""
+        drafter's tree is also merged and committed, which the calibration did not see: on passage questions
+        the quickstart head's drafting passes cost 6 ms more than priced (47.7 against 41.4 ms, the priced
+        draft 2.4 ms), which turned a predicted 1.08x into a measured 0.97x. What a drafter spends catching up
+        on passes it skipped (eval.drafters.DeferredSync: the prompt's begin, one commit of the joined path)
+        is paid once and is not observed here (eval.decoder leaves it out): priced into every later draft it
+        kept a request that had two early rejections from ever drafting again."""
         seen_priced = self._drafting.get(source)
         return 1.0 if seen_priced is None else seen_priced[0] / seen_priced[1]
 

@@ -322,6 +322,11 @@ MUTANTS: list[Mutant] = [
            "        return self.costs[source](nodes) * self.draft_scale(source) * self.shared.get(source, 1.0) if nodes else 0.0",
            "        return self.costs[source](nodes) * self.shared.get(source, 1.0) if nodes else 0.0",
            ("tests/test_policy.py", "-k", "seen_to_cost")),
+    # a deferred catch-up (the prompt's begin, skipped passes' commits), paid once, priced into every later draft
+    Mutant("catch_up_priced_as_drafting", "eval/decoder.py",
+           "            drafting -= drafter.take_catch_up()\n",
+           "            drafter.take_catch_up()\n",
+           ("tests/test_policy.py", "-k", "deferred_catch_up")),
     # the forward time taken from the pass's start: the policy's choice and the draft counted as the target's
     Mutant("forward_time_from_the_pass_start", "eval/decoder.py",
            "        stats.forward_time_s += perf() - tv\n",

@@ -314,6 +314,36 @@ def test_the_decoder_reports_the_drafters_own_seconds(target, prompt, reference)
     assert st.decode_time_s - st.forward_time_s >= 0.03 * st.target_passes + 0.003 * drafting_passes
 
 
+def test_the_drafting_cost_leaves_out_a_deferred_catch_up(target, prompt, reference):  # noqa: F811
+    """What a DeferredSync spends handing over deferred work (here the prompt's begin, sleeping 50 ms, paid by
+    the first draft) is paid once: observe_drafting leaves it out, the stats' drafting time keeps it. Priced
+    into every later draft (eval.policy.AdaptivePolicy.draft_scale), a quickstart gsm8k request with two early
+    rejections drafted on 6 of its 127 passes."""
+    import time
+
+    class SlowBegin(NgramDrafter):
+        def begin(self, prompt_ids, features, next_token):
+            time.sleep(0.05)
+            super().begin(prompt_ids, features, next_token)
+
+        def lookup(self, k):  # always a draft, as a head's: the n-gram's match, else the last token repeated
+            return super().lookup(k) or [self.tokens[-1]] * k
+
+    class Spy(RandomPolicy):
+        seen: list[float] = []
+
+        def observe_drafting(self, seconds):
+            self.seen.append(seconds)
+
+    for drafter in (DeferredSync(SlowBegin()), HybridDrafter(SlowBegin())):
+        pol = Spy(1, p_zero=0.5)
+        pol.seen = []
+        out, st = speculative_generate(target, prompt, drafter, 4, MAX_NEW, policy=pol)
+        assert out.tolist() == reference.tolist()
+        assert len(pol.seen) > 3 and max(pol.seen) < 0.03
+        assert st.draft_time_s >= 0.05 + sum(pol.seen)
+
+
 def test_measured_prior_stops_at_the_first_untested_depth():
     st = GenerationStats(accepted_per_position=[3, 1, 0], judged_per_position=[4, 2, 0])
     assert measured_prior(st) == pytest.approx([0.75, 2 / 3]) and st.acceptance_rates == [0.75, 0.5, 0.0]
