@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'kernels':>7} | {'batch':>5} | {'tokens/s':>9} | {'baseline tok/s':>14} | {'ratio':>6} | "
           f"{'prompts/s':>9} | {'tokens':>6} | same answers")
     for row in rows:
-        print(f"{row['kernels']:>7} | {row['batch']:>5} | {row['tokens_per_s']:>9.1f} | {row['baseline_tokens_per_s']:>14.1f} | "
-              f"{row['ratio']:>6.2f} | {row['prompts_per_s']:>9.3f} | {row['tokens']:>6} | "
+        print(f"{row['kernels']:>7} | {row['batch']:>5} | {row['tokens_per_s']:>9.1f} | "
+              f"{row['baseline_tokens_per_s']:>14.1f} | {row['ratio']:>6.2f} | {row['prompts_per_s']:>9.3f} | {row['tokens']:>6} | "
               f"{row['answers_equal_baseline']}/{len(prompts)}")
     if args.json:
         Path(args.json).write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))

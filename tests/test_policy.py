@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -70,6 +71,17 @@ class RandomPolicy:
 
     def observe(self, tree, accepted, seconds):
         pass
+
+
+class DraftingSpy(RandomPolicy):
+    """A RandomPolicy that records the seconds every observe_drafting call hands it."""
+
+    def __init__(self, seed: int, p_zero: float = 0.3):
+        super().__init__(seed, p_zero)
+        self.seen: list[float] = []
+
+    def observe_drafting(self, seconds):
+        self.seen.append(seconds)
 
 
 class NeverPolicy(RandomPolicy):
@@ -283,8 +295,6 @@ def test_the_decoder_reports_the_drafters_own_seconds(target, prompt, reference)
     """observe_drafting gets, after every drafting pass and only then, the drafter's seconds (its draft and
     commit, here each sleeping 3 ms), not the policy's own choice (sleeping 30 ms); the stats' forward time is
     the target's forwards alone, none of those sleeps."""
-    import time
-
     class Slow(NgramDrafter):
         def draft(self, k, temperature):
             time.sleep(0.003)
@@ -294,15 +304,10 @@ def test_the_decoder_reports_the_drafters_own_seconds(target, prompt, reference)
             time.sleep(0.003)
             super().commit_tokens(tokens, features, next_token)
 
-    class Spy(RandomPolicy):
-        seen: list[float] = []
-
+    class Spy(DraftingSpy):
         def choose(self, drafter, budget):
             time.sleep(0.03)
             return super().choose(drafter, budget)
-
-        def observe_drafting(self, seconds):
-            self.seen.append(seconds)
 
     pol = Spy(0, p_zero=0.5)
     out, st = speculative_generate(target, prompt, Slow(), 4, MAX_NEW, policy=pol)
@@ -319,8 +324,6 @@ def test_the_drafting_cost_leaves_out_a_deferred_catch_up(target, prompt, refere
     the first draft) is paid once: observe_drafting leaves it out, the stats' drafting time keeps it. Priced
     into every later draft (eval.policy.AdaptivePolicy.draft_scale), a quickstart gsm8k request with two early
     rejections drafted on 6 of its 127 passes."""
-    import time
-
     class SlowBegin(NgramDrafter):
         def begin(self, prompt_ids, features, next_token):
             time.sleep(0.05)
@@ -329,15 +332,8 @@ def test_the_drafting_cost_leaves_out_a_deferred_catch_up(target, prompt, refere
         def lookup(self, k):  # always a draft, as a head's: the n-gram's match, else the last token repeated
             return super().lookup(k) or [self.tokens[-1]] * k
 
-    class Spy(RandomPolicy):
-        seen: list[float] = []
-
-        def observe_drafting(self, seconds):
-            self.seen.append(seconds)
-
     for drafter in (DeferredSync(SlowBegin()), HybridDrafter(SlowBegin())):
-        pol = Spy(1, p_zero=0.5)
-        pol.seen = []
+        pol = DraftingSpy(1, p_zero=0.5)
         out, st = speculative_generate(target, prompt, drafter, 4, MAX_NEW, policy=pol)
         assert out.tolist() == reference.tolist()
         assert len(pol.seen) > 3 and max(pol.seen) < 0.03
