@@ -14,7 +14,9 @@ shorter served block would attend over fewer mask slots, another function.
 
 DSpark (`head.markov_rank` > 0; vLLM `update_dspark` -> `Qwen3DSparkModel`, its DSpark speculator): the same
 backbone tensors plus `markov_head.markov_w1.weight [V, R]` and `markov_head.markov_w2.weight [DV, R]`, and
-`sample_from_anchor` as trained (true: the anchor's slot drafts too, B tokens a pass). vLLM serves
+`sample_from_anchor` as trained (true: the anchor's slot drafts too, B tokens a pass). A compact Markov
+table (`head.markov_rows: draft`) is written with a row per target id (each id's own), so vLLM reads the
+function trained; it imports back as a full table. vLLM serves
 `sample_from_anchor` only in this layout (its DFlash speculator refuses it), so a head trained that way without a
 Markov head has no engine layout and its export is refused.
 """
@@ -105,6 +107,9 @@ def export_speculators_dspark(head: nn.Module, cfg: HeadConfig, meta: dict, targ
     """vLLM's speculators DSpark layout (a head with a Markov head, `refuses_dspark`); `speculative_tokens` is
     ignored (the block's drafting slots)."""
     state = head_state(head)
+    # the layout's table has a row per target id: a compact one (head.markov_rows draft) gives each id its row
+    key = "markov_head.markov_w1.weight"
+    state[key] = state[key][head.markov_row(torch.arange(target.vocab_size, device=head.t2d.device)).cpu()].contiguous()
     return _config(head, state, meta, target, verifier, "dspark", "Qwen3DSparkModel") | {
         "markov_rank": int(head.markov_head.markov_w1.weight.shape[1]), "markov_head_type": "vanilla"}, state
 
@@ -166,8 +171,14 @@ vllm serve {target_hub} \\
 ```"""
 
 
+_ANCHOR_FEATURE = ("head.anchor_feature: neither vLLM's DFlash nor its DSpark speculator has the anchor's context "
+                   "feature in the slot inputs; this head has no engine layout (it drafts in our decoder)")
+
+
 def refuses_dflash(head_config: dict) -> str:
     """Why a head cannot go to the DFlash layout ("" when it can): DSpark's options are not DFlash's."""
+    if head_config.get("anchor_feature"):
+        return _ANCHOR_FEATURE
     if head_config.get("markov_rank"):
         return ("a DFlash head with a Markov head (head.markov_rank) is DSpark's: export it with --to "
                 "speculators_dspark (vLLM 0.32 serves DSpark only on its V2 model runner, which needs Triton with "
@@ -180,6 +191,8 @@ def refuses_dflash(head_config: dict) -> str:
 
 def refuses_dspark(head_config: dict) -> str:
     """Why a head cannot go to the DSpark layout ("" when it can): it needs the Markov head."""
+    if head_config.get("anchor_feature"):
+        return _ANCHOR_FEATURE
     if not head_config.get("markov_rank"):
         return ("speculators_dspark needs a Markov head (head.markov_rank > 0); export a plain DFlash head with "
                 "--to speculators_dflash")

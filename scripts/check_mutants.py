@@ -322,6 +322,17 @@ MUTANTS: list[Mutant] = [
            "        return self.costs[source](nodes) * self.draft_scale(source) * self.shared.get(source, 1.0) if nodes else 0.0",
            "        return self.costs[source](nodes) * self.shared.get(source, 1.0) if nodes else 0.0",
            ("tests/test_policy.py", "-k", "seen_to_cost")),
+    # the block drafter's anchor feature trained from the anchor's own position, which drafting never has
+    Mutant("dflash_anchor_feature_off_by_one", "heads/dflash/losses.py",
+           "        before = c.gather(1, (anchors - 1)[..., None].expand(-1, -1, c.shape[-1]))\n",
+           "        before = c.gather(1, anchors[..., None].expand(-1, -1, c.shape[-1]))\n",
+           ("tests/test_dflash.py", "-k", "training_blocks_equal_drafting_blocks")),
+    # a compact Markov table exported as is: DSpark's layout reads row t for target id t
+    Mutant("dspark_compact_table_exported_as_is", "convert/dflash.py",
+           "    state[key] = state[key][head.markov_row(torch.arange(target.vocab_size, device=head.t2d.device)).cpu()]"
+           ".contiguous()\n",
+           "",
+           ("tests/test_dflash.py", "-k", "compact")),
     # a deferred catch-up (the prompt's begin, skipped passes' commits), paid once, priced into every later draft
     Mutant("catch_up_priced_as_drafting", "eval/decoder.py",
            "            drafting -= drafter.take_catch_up()\n",

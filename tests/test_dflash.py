@@ -76,12 +76,15 @@ def reference_block_logits(sd: dict, layer: dict, aux: torch.Tensor, embed: torc
                            mask_id: int, block: int, prev: list[int] | None = None) -> torch.Tensor:
     """The engines' DFlash forward written out from the equations (no project code): logits [block, DV] of
     the block [anchor, mask x (block-1)] at positions n..n+block-1 over the context aux [n, k*H]; with prev
-    (a token id per slot), plus DSpark's Markov bias markov_w2 @ markov_w1[prev] of each slot."""
+    (a token id per slot), plus DSpark's Markov bias markov_w2 @ markov_w1[prev] of each slot; with an
+    anchor_proj (head.anchor_feature), every slot's input plus anchor_proj @ c[n-1], the context's last feature."""
     eps, nh, nkv = layer["rms_norm_eps"], layer["num_attention_heads"], layer["num_key_value_heads"]
     d, theta = layer["head_dim"], layer["rope_theta"]
     n = aux.shape[0]
     c = _rms(aux @ sd["fc.weight"].T, sd["hidden_norm.weight"], eps)
     h = embed[torch.tensor([anchor] + [mask_id] * (block - 1))]
+    if "anchor_proj.weight" in sd:
+        h = h + c[-1] @ sd["anchor_proj.weight"].T
     pc, pb = torch.arange(n), torch.arange(n, n + block)
     for i in range(layer["num_hidden_layers"]):
         w = {k.split(f"layers.{i}.", 1)[1]: v for k, v in sd.items() if k.startswith(f"layers.{i}.")}
@@ -105,10 +108,12 @@ def reference_block_logits(sd: dict, layer: dict, aux: torch.Tensor, embed: torc
     return out
 
 
-# The layouts under test: DFlash's fill-in block; DSpark's (the anchor's slot drafts too); and with its
-# Markov head.
+# The layouts under test: DFlash's fill-in block; DSpark's (the anchor's slot drafts too); with its Markov
+# head; and that with a compact Markov table and the anchor's context feature in the slot inputs
+# (head.markov_rows draft, head.anchor_feature: no engine layout).
 VARIANTS = {"dflash": {}, "from_anchor": {"sample_from_anchor": True},
-            "dspark": {"sample_from_anchor": True, "markov_rank": 8}}
+            "dspark": {"sample_from_anchor": True, "markov_rank": 8},
+            "anchor": {"sample_from_anchor": True, "markov_rank": 8, "markov_rows": "draft", "anchor_feature": True}}
 
 
 def _layer(io, head) -> dict:
@@ -200,6 +205,8 @@ def test_loss_matches_a_direct_computation(tiny_target, variant):
     for b in range(2):
         for a, ok in zip(anchors[b].tolist(), valid[b].tolist()):
             prev = [int(ids[b, min(a + k - f, 11)]) for k in range(4)] if head.markov_head is not None else None
+            if prev is not None:  # the table's rows (a compact table's map: its own test)
+                prev = head.markov_row(torch.tensor(prev)).tolist()
             ref = reference_block_logits(sd, _layer(io, head), batch["aux"][b, :a], io.embed.weight.detach(),
                                          int(ids[b, a]), head.mask_token_id, 4, prev)
             for k in range(f, 4):
@@ -257,7 +264,7 @@ def test_a_markov_chain_reports_each_slots_law_given_the_tokens_drawn_before_it(
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("variant", ["dflash", "dspark"])
+@pytest.mark.parametrize("variant", ["dflash", "dspark", "anchor"])
 def test_drafting_together_equals_each_requests_own_draft(tiny_target, variant, temperature):
     """DFlashDrafter.draft_together (the batched decoder's rows, one block pass for all): requests with
     contexts of different lengths and different draft lengths get the chain their own draft makes, sampled ones
@@ -298,13 +305,15 @@ def test_drafting_together_equals_each_requests_own_draft(tiny_target, variant, 
     assert len(together[0].draft(1, temperature)) == 1 and together[0].ready is None
 
 
-def test_settling_together_equals_each_requests_own_commits(tiny_target):
+@pytest.mark.parametrize("variant", ["dflash", "anchor"])
+def test_settling_together_equals_each_requests_own_commits(tiny_target, variant):
     """DFlashDrafter.settle_together (the batched decoder's held commits): requests with contexts of different
     lengths, each holding two commits of different lengths, end with the context keys their own commits make,
-    in one projection for the batch; a held commit is projected by the request's own next draft. Keys at other
-    positions than a request's own (mutant dflash_settle_at_the_first_requests_positions) fail it."""
+    in one projection for the batch (and, with head.anchor_feature, the newest position's feature, which
+    their drafts read); a held commit is projected by the request's own next draft. Keys at other positions
+    than a request's own (mutant dflash_settle_at_the_first_requests_positions) fail it."""
     model, _, io = tiny_target
-    _, head = _head(io, seed=2)
+    _, head = _head(io, seed=2, **VARIANTS[variant])
     torch.manual_seed(1)
     ids = torch.randint(0, io.vocab_size, (1, 24))
     feats, _ = forward_features(model, ids, None, LAYERS)
@@ -326,11 +335,13 @@ def test_settling_together_equals_each_requests_own_commits(tiny_target):
     calls = []
     real = type(head).context_kv
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(type(head), "context_kv", lambda self, aux, *a: calls.append(aux.shape[1]) or real(self, aux, *a))
+        mp.setattr(type(head), "context_kv", lambda self, c, *a: calls.append(c.shape[1]) or real(self, c, *a))
         dflash.DFlashDrafter.settle_together(together)
     assert calls == [sum(m1 + m2 for m1, m2 in paths)]  # every request's held positions in one projection
     for a, t in zip(alone, together):
         assert not t.held and t.n == a.n and t.anchor == a.anchor
+        if head.anchor_proj is not None:
+            torch.testing.assert_close(t.last, a.last, rtol=1e-4, atol=1e-5)
         for (ka, va), (kt, vt) in zip(a.ctx, t.ctx):
             torch.testing.assert_close(kt, ka, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(vt, va, rtol=1e-4, atol=1e-5)
@@ -373,7 +384,7 @@ def test_one_batch_overfit(tiny_target, variant):
 
 
 @pytest.mark.parametrize("mode,variant", [("alone", "dflash"), ("adaptive", "dflash"), ("hybrid", "dflash"),
-                                          ("alone", "dspark"), ("hybrid", "dspark")])
+                                          ("alone", "dspark"), ("hybrid", "dspark"), ("hybrid", "anchor")])
 def test_greedy_speculative_output_equals_plain_decoding(tiny_target, mode, variant):
     from drafters_common import hf_greedy
 
@@ -452,6 +463,8 @@ def test_each_layout_refuses_the_other_kind_of_head(tiny_target, tmp_path):
     _, _, io = tiny_target
     for variant, fmt, msg, own in (("dspark", "speculators_dflash", "speculators_dspark", ("speculators_dspark",)),
                                    ("from_anchor", "speculators_dflash", "no engine layout", ()),
+                                   ("anchor", "speculators_dspark", "anchor_feature", ()),
+                                   ("anchor", "speculators_dflash", "anchor_feature", ()),
                                    ("dflash", "speculators_dspark", "Markov head", ("speculators_dflash",))):
         cfg, head = _head(io, **VARIANTS[variant])
         assert layouts_of("dflash", dataclasses.asdict(cfg)) == own
@@ -521,6 +534,38 @@ def test_spec_refuses_a_missing_d2t_and_a_wrong_fc(tiny_target, exported):
         validate(fmt, config, {k: v for k, v in weights.items() if k != "d2t"}, io)
     with pytest.raises(ExportError, match="fc.weight"):
         validate(fmt, {**config, "aux_hidden_state_layer_ids": [1, 2]}, weights, io)
+
+
+def test_a_compact_markov_table_exports_as_each_ids_own_row(tiny_target, tmp_path):
+    """head.markov_rows draft: a draft-vocab id has its own row (its draft id), every other id the shared
+    last one; the DSpark export writes the full table with each target id's row, so the imported head (a full
+    table) drafts exactly what the compact one does. An export of the compact table as is, or an off-by-one
+    map, fails it."""
+    import json
+
+    from convert import export_head, import_folder
+
+    model, _, io = tiny_target
+    cfg, head = _head(io, sample_from_anchor=True, markov_rank=8, markov_rows="draft")
+    dv = head.d2t.numel()
+    assert head.markov_head.markov_w1.weight.shape == (dv + 1, 8)
+    ids = torch.arange(io.vocab_size)
+    rows = head.markov_row(ids)
+    assert torch.equal(head.to_target_ids(rows[head.t2d]), ids[head.t2d])  # its own draft id
+    assert bool((rows[~head.t2d] == dv).all())
+    out = export_head(save_head(tmp_path / "native", head, cfg, io), "speculators_dspark", tmp_path / "vllm", io)
+    back, back_cfg, _ = import_folder(out, "speculators_dspark", io)
+    assert back_cfg.markov_rows == "target" and back.markov_head.markov_w1.weight.shape == (io.vocab_size, 8)
+    assert json.loads((out / "config.json").read_text())["markov_rank"] == 8
+    seq = torch.randint(0, io.vocab_size, (1, 12))
+    feats = forward_features(model, seq[:, :10], None, LAYERS)[0]
+    prev = torch.cat([seq[0, 10:11], ids[~head.t2d][:1], ids[head.t2d][5:7]])  # in and out of the draft vocab
+    logits = []
+    for h in (head, back):
+        d = dflash.drafter(h, io)
+        d.begin(seq[:, :10], feats, int(seq[0, 10]))
+        logits.append(d.block_logits(prev))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
 def test_export_import_round_trip_is_identical(tiny_target, exported):

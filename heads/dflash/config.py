@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from heads.base import HeadConfig
 from heads.eagle.config import feature_layers as eagle_feature_layers
@@ -41,6 +41,15 @@ class DFlashConfig(HeadConfig):
     # w2 [draft vocab, r]), drawn left to right after the one parallel pass, so a slot sees the token drafted
     # before it, which the parallel pass cannot; 0 = none (plain DFlash).
     markov_rank: int = 0
+    # The Markov head's rows: "target", one per target id (vLLM's DSpark layout); "draft", one per draft-vocab id
+    # plus one shared by every other id (a 49,152-row table is most of the head's parameters, and AdamW's update
+    # of it about a tenth of SmolLM2's training step): exported to DSpark's layout with each id given its row.
+    markov_rows: Literal["target", "draft"] = "target"
+    # The anchor's context feature in every slot's input (P-EAGLE's and EAGLE-3's first-step input, not DFlash's
+    # or DSpark's): slot inputs = embedding + anchor_proj(c_{a-1}), c = hidden_norm(fc(captured layers)) at the
+    # position before the anchor, so the query that drafts the first token holds the target's newest state
+    # directly instead of fetching it through attention. No engine layout serves it (convert refuses it).
+    anchor_feature: bool = False
 
 
 def feature_layers(cfg: HeadConfig, target_config: Any) -> list[int]:
@@ -59,6 +68,8 @@ def check(cfg: DFlashConfig, vocab_size: int) -> None:
         raise ValueError(f"head.anchors {cfg.anchors}: must be >= 1")
     if cfg.markov_rank < 0:
         raise ValueError(f"head.markov_rank {cfg.markov_rank}: must be >= 0 (0 = no Markov head)")
+    if cfg.markov_rows not in ("target", "draft"):  # dataclasses built in code skip the YAML check
+        raise ValueError(f"head.markov_rows '{cfg.markov_rows}': must be target or draft")
     if cfg.decay_gamma <= 0:
         raise ValueError(f"head.decay_gamma {cfg.decay_gamma}: must be > 0")
     resolved_mask_token(cfg, vocab_size)

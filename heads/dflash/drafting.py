@@ -49,6 +49,7 @@ class DFlashDrafter:
         self.device = next(head.parameters()).device
         self.ctx: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.n = 0
+        self.last: torch.Tensor | None = None  # the context feature at position n - 1 [1, H] (head.anchor_feature)
         self.anchor: int | None = None
         self.ready: tuple[int, float, DraftTree] | None = None  # (drafted length, temperature, chain): draft_together
         # hold: commits' features wait (held, in order) until the next draft or settle_together, which projects
@@ -64,16 +65,18 @@ class DFlashDrafter:
             raise ValueError(f"DFlash drafter: expected aux features for {m} positions, got {got}")
         return features.aux
 
-    def _append(self, new: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Append each layer's keys/values of new positions to the context."""
+    def _append(self, new: list[tuple[torch.Tensor, torch.Tensor]], last: torch.Tensor) -> None:
+        """Append each layer's keys/values of new positions to the context; last: the newest one's feature."""
         self.ctx = new if not self.ctx else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
                                              for (k0, v0), (k1, v1) in zip(self.ctx, new)]
         self.n += new[0][0].shape[2]
+        self.last = last
 
     def _extend(self, aux: torch.Tensor) -> None:
         """Append the context keys/values of the new positions n.. of these captured layers."""
         pos = torch.arange(self.n, self.n + aux.shape[1], device=self.device)[None]
-        self._append(self.head.context_kv(aux.to(self.device), pos, self.target))
+        c = self.head.context(aux.to(self.device))
+        self._append(self.head.context_kv(c, pos, self.target), c[:, -1])
 
     def _settle(self) -> None:
         """Project the held commits' positions, if any."""
@@ -83,7 +86,7 @@ class DFlashDrafter:
 
     @torch.no_grad()
     def begin(self, prompt_ids: torch.Tensor, features: Features | None, next_token: int) -> None:
-        self.ctx, self.n, self.ready, self.held = [], 0, None, []
+        self.ctx, self.n, self.ready, self.held, self.last = [], 0, None, [], None
         self._extend(self._aux(features, prompt_ids.numel()))
         self.anchor = int(next_token)
 
@@ -109,7 +112,7 @@ class DFlashDrafter:
             raise RuntimeError("DFlash drafter: draft() before begin()")
         self._settle()
         head, bs = self.head, self.head.block_size
-        emb = head.block_embeddings(torch.tensor([self.anchor], device=self.device), self.target)
+        emb = head.block_embeddings(torch.tensor([self.anchor], device=self.device), self.target, self.last)
         pos = torch.arange(self.n, self.n + bs, device=self.device)[None]
         h = head.block_states(emb, pos, self.ctx, None, self.target)  # no mask: all context, the whole block
         return h[0, head.first_slot:]
@@ -179,7 +182,8 @@ class DFlashDrafter:
         padded = [pad_requests([d.ctx[layer] for d in drafters]) for layer in range(len(head.layers))]
         ctx, seen = [(keys, vals) for keys, vals, _ in padded], padded[0][2]
         n = torch.tensor([d.n for d in drafters], device=dev)
-        emb = head.block_embeddings(torch.tensor([d.anchor for d in drafters], device=dev), first.target)
+        last = torch.cat([d.last for d in drafters]) if head.anchor_proj is not None else None
+        emb = head.block_embeddings(torch.tensor([d.anchor for d in drafters], device=dev), first.target, last)
         pos = n[:, None] + torch.arange(bs, device=dev)
         h = head.block_states(emb, pos, ctx, seen[:, None, None, :].expand(-1, 1, bs, -1), first.target)
         base = head.base_logits(h[:, head.first_slot : head.first_slot + max(ms)])
@@ -203,11 +207,13 @@ class DFlashDrafter:
             aux = [torch.cat(d.held, dim=1) for d in rows]
             lens = [a.shape[1] for a in aux]
             pos = torch.cat([torch.arange(d.n, d.n + m) for d, m in zip(rows, lens)])[None].to(first.device)
-            new = first.head.context_kv(torch.cat(aux, dim=1).to(first.device), pos, first.target)
+            c = first.head.context(torch.cat(aux, dim=1).to(first.device))
+            new = first.head.context_kv(c, pos, first.target)
             parts = [(k.split(lens, dim=2), v.split(lens, dim=2)) for k, v in new]  # per layer, per request
+            ends = torch.tensor(lens).cumsum(0) - 1
             for r, d in enumerate(rows):
                 d.held = []
-                d._append([(k[r], v[r]) for k, v in parts])
+                d._append([(k[r], v[r]) for k, v in parts], c[:, int(ends[r])])
     def _draw(self, logits: torch.Tensor, temperature: float) -> DraftTree:
         """The chain of one draw per row of draft-vocab logits [m, DV] (argmax at temperature 0)."""
         if temperature <= 0:

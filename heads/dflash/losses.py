@@ -13,7 +13,8 @@ exp(-(k-1)/gamma) (heads.dflash.config.loss_weights; slot 0 predicts nothing).
 With `sample_from_anchor` (DSpark's layout) every slot drafts, one position later: slot k predicts
 x_{a+k+1} against the target's distribution at a+k, weight exp(-k/gamma). With a Markov head, slot k's logits
 add the bias of the token before the one it predicts (the sequence's own token at the label position: the
-draft that an accepted chain would have fed it).
+draft that an accepted chain would have fed it). With `anchor_feature`, every slot's input adds the projected
+context feature at a-1 (the position before the anchor: the newest one the drafter has at drafting time).
 
 Anchors: `anchors` positions per sequence drawn uniformly, without replacement, among a in 1..T-2 with
 loss_mask[a+1] = 1 (the first drafted token is supervised; a >= 1 leaves a context); a sequence with fewer
@@ -83,8 +84,12 @@ def block_logits(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch
     ids, aux = batch["input_ids"], batch["aux"]
     b, t = ids.shape
     n, bs = anchors.shape[1], head.block_size
-    ctx_kv = head.context_kv(aux, torch.arange(t, device=ids.device).expand(b, t), target)
-    emb = head.block_embeddings(ids.gather(1, anchors), target).reshape(b, n * bs, -1)
+    c = head.context(aux)
+    ctx_kv = head.context_kv(c, torch.arange(t, device=ids.device).expand(b, t), target)
+    before = None
+    if head.anchor_proj is not None:  # the context feature at a - 1 (a >= 1: sample_anchors)
+        before = c.gather(1, (anchors - 1)[..., None].expand(-1, -1, c.shape[-1]))
+    emb = head.block_embeddings(ids.gather(1, anchors), target, before).reshape(b, n * bs, -1)
     slots, labels = block_alignment(anchors, bs, head.first_slot)
     h = head.block_states(emb, slots.reshape(b, n * bs), ctx_kv, context_mask(anchors, bs, t), target)
     prev = ids.gather(1, labels.clamp(0, t - 1).reshape(b, -1)) if head.markov_head is not None else None
@@ -103,8 +108,10 @@ def block_loss(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch.T
     lab = labels.clamp(0, t - 1).reshape(b, -1)
     draft_ids = head.draft_ids()
     with torch.no_grad():
-        last = batch["last"].gather(1, lab[..., None].expand(-1, -1, batch["last"].shape[-1]))
-        p = _draft_vocab_logits(target, last, draft_ids).softmax(-1).reshape(b, -1, bs, draft_ids.numel())
+        # the target's draft-vocab distribution once per position, then each slot's row: the blocks' label
+        # positions overlap (every position is up to block_size slots' label), so not once per slot
+        p = _draft_vocab_logits(target, batch["last"], draft_ids).softmax(-1)
+        p = p.gather(1, lab[..., None].expand(-1, -1, p.shape[-1])).reshape(b, -1, bs, draft_ids.numel())
         t_arg = batch["target_argmax"].long().gather(1, lab).reshape(b, -1, bs)
         mask_tok = lmask.gather(1, predicted.clamp(max=t - 1).reshape(b, -1)).reshape(b, -1, bs) * inside
         mask_tok[..., :first] = 0  # DFlash's slot 0 holds the anchor: it predicts nothing

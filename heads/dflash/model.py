@@ -11,6 +11,8 @@ names theirs; the equations in heads/dflash/__init__.py's docstring):
     logits = lm_head(norm(h))         lm_head: the target's rows of the draft vocab, frozen
              (+ markov_head.markov_w2(markov_w1[the token before the drafted one]) with head.markov_rank:
              DSpark's transition bias, vLLM `qwen3_dspark.py`)
+    with head.anchor_feature, every slot's input also adds anchor_proj(c_{a-1}) (the position before the anchor;
+             P-EAGLE's and EAGLE-3's first-step input): served by no engine's DFlash/DSpark layout
 
 The Llama pieces are EAGLE's (heads/eagle/model.py: RMSNorm, Attention's projections, MLP, rotary); drafting's
 attention (one block) is SDPA with grouped KV heads (enable_gqa), training's (many blocks side by side) is
@@ -18,7 +20,9 @@ attention (one block) is SDPA with grouped KV heads (enable_gqa), training's (ma
 
     build(cfg, target) -> DFlashHead
     prepare(cfg, dataset, target) -> {d2t, t2d, lm_head.weight, norm.weight}   draft vocab, target's rows
-        context_kv(aux, positions, target) -> [(k, v) per layer]   the context's keys/values
+        context(aux) -> c                                           the fused context features
+        context_kv(c, positions, target) -> [(k, v) per layer]     the context's keys/values
+        block_embeddings(anchors, target, before=None) -> emb       [anchor, mask x (B-1)] (+ anchor_proj(before))
         block_states(emb, positions, ctx_kv, ctx_mask, target) -> h    the blocks through every layer
         logits(h, prev=None)                                       over the draft vocab (+ Markov bias of prev)
     block_attention(q, ctx, kb, vb, ctx_mask, block_size)   training's attention (context + each block's square)
@@ -133,11 +137,12 @@ class DFlashLayer(nn.Module):
 
 
 class MarkovHead(nn.Module):
-    """DSpark's low-rank transition bias: markov_w2(markov_w1[token]) over the draft vocab, token a target id."""
+    """DSpark's low-rank transition bias: markov_w2(markov_w1[row]) over the draft vocab, row a token's
+    (DFlashHead.markov_row: a target id, or with markov_rows draft its draft id)."""
 
-    def __init__(self, vocab: int, draft_vocab: int, rank: int):
+    def __init__(self, rows: int, draft_vocab: int, rank: int):
         super().__init__()
-        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w1 = nn.Embedding(rows, rank)
         self.markov_w2 = nn.Linear(rank, draft_vocab, bias=False)
 
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
@@ -168,7 +173,10 @@ class DFlashHead(nn.Module):
         inter = int(cfg.intermediate_size or config.intermediate_size)
         self.layers = nn.ModuleList([DFlashLayer(config, inter) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(h, eps)
-        self.markov_head = MarkovHead(vocab, draft_vocab, cfg.markov_rank) if cfg.markov_rank else None
+        self.markov_rows = cfg.markov_rows
+        rows = draft_vocab + 1 if cfg.markov_rows == "draft" else vocab
+        self.markov_head = MarkovHead(rows, draft_vocab, cfg.markov_rank) if cfg.markov_rank else None
+        self.anchor_proj = nn.Linear(h, h, bias=False) if cfg.anchor_feature else None
         # The target's LM head restricted to the draft vocab (`prepare` copies the rows): frozen, as the
         # engines and speculators share it; stored so that an export carries exactly the rows drafted with.
         self.lm_head = nn.Linear(h, draft_vocab, bias=False).requires_grad_(False)
@@ -177,10 +185,13 @@ class DFlashHead(nn.Module):
         t2d[:draft_vocab] = True
         self.register_buffer("t2d", t2d)
 
-    def context_kv(self, aux: torch.Tensor, positions: torch.Tensor,
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        """The fused context features c = hidden_norm(fc(aux)) [B, T, H] of captured layers aux [B, T, n*H]."""
+        return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
+
+    def context_kv(self, c: torch.Tensor, positions: torch.Tensor,
                    target: TargetIO) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's keys/values of the context c = hidden_norm(fc(aux)) [B, T, n*H] at positions [B, T]."""
-        c = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
+        """Each layer's keys/values of the context features c [B, T, H] (`context`) at positions [B, T]."""
         cos, sin = rotary(target, c, positions)
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
 
@@ -211,16 +222,31 @@ class DFlashHead(nn.Module):
     def add_markov_bias(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """`base_logits` [..., DV] plus the Markov head's bias of prev [...]: what `logits` returns, for a drafter
         that computes the base of a whole block once and draws its slots one by one."""
-        return base + self.markov_head(prev.to(base.device)).to(base.dtype)
+        return base + self.markov_head(self.markov_row(prev.to(base.device))).to(base.dtype)
 
-    def block_embeddings(self, anchors: torch.Tensor, target: TargetIO) -> torch.Tensor:
-        """[anchor, mask x (B-1)] embedded by the target, per anchor token id: [*anchors.shape, B, H]."""
+    def markov_row(self, ids: torch.Tensor) -> torch.Tensor:
+        """The Markov table's row of each target id: the id itself (markov_rows target); with markov_rows draft,
+        its draft id (draft ids are in target-id order) or, outside the draft vocab, the last row."""
+        if self.markov_rows == "target":
+            return ids
+        return torch.where(self.t2d[ids], self.t2d.cumsum(0)[ids] - 1, self.d2t.numel())
+
+    def block_embeddings(self, anchors: torch.Tensor, target: TargetIO,
+                         before: torch.Tensor | None = None) -> torch.Tensor:
+        """[anchor, mask x (B-1)] embedded by the target, per anchor token id: [*anchors.shape, B, H]; with
+        head.anchor_feature, plus anchor_proj(before) in every slot, before [*anchors.shape, H] the context
+        feature (`context`) at the position before each anchor, which must then be given."""
         ids = torch.full((*anchors.shape, self.block_size), self.mask_token_id, dtype=torch.long,
                          device=anchors.device)
         ids[..., 0] = anchors
         dev = next(target.embed.parameters()).device
         with torch.no_grad():
-            return target.embed(ids.to(dev)).to(self.fc.weight.device)
+            emb = target.embed(ids.to(dev)).to(self.fc.weight.device)
+        if self.anchor_proj is None:
+            return emb
+        if before is None:
+            raise ValueError("DFlash head with head.anchor_feature: block_embeddings() needs the anchors' context")
+        return emb.to(self.fc.weight.dtype) + self.anchor_proj(before.to(self.fc.weight.dtype))[..., None, :]
 
 
 def _init(module: nn.Module, std: float) -> None:
