@@ -41,7 +41,9 @@ def refuse_symlinks(folder: str | Path, what: str = "output folder", tools: Iter
 
     `tools` names subfolders another program owns and writes itself (wandb's `wandb/`): what lies below one is
     that program's bookkeeping (wandb links `latest-run` and its debug logs into ~/.cache), never written by
-    us, so it is not walked; the subfolder itself must still be a real folder."""
+    us, so it is not walked; the subfolder itself must still be a real folder. That holds at any depth: a run
+    folder may hold another run's folder (the quickstart trains its block drafter into OUT/dflash), whose
+    `wandb/` is wandb's too."""
     folder = Path(folder)
     if folder.is_symlink():
         raise UserError(f"{folder}: the {what} is a symlink (to {os.readlink(folder)}); give the real folder")
@@ -53,8 +55,7 @@ def refuse_symlinks(folder: str | Path, what: str = "output folder", tools: Iter
             if p.is_symlink():
                 raise UserError(f"{p}: a symlink inside the {what} (to {os.readlink(p)}); writes would go "
                                 f"through it: remove it or choose another folder")
-        if Path(root) == folder:
-            dirs[:] = [d for d in dirs if d not in tools]  # checked above (not a symlink), not walked
+        dirs[:] = [d for d in dirs if d not in tools]  # checked above (not a symlink), not walked
 
 
 def read_marker(folder: Path) -> str | None:

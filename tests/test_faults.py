@@ -93,6 +93,14 @@ def test_wandbs_own_links_do_not_block_a_resume_but_our_files_and_the_wandb_fold
     refuse_symlinks(run_dir, "run folder", tools=("wandb",))
     with pytest.raises(UserError, match="latest-run: a symlink inside the run folder"):
         refuse_symlinks(run_dir, "run folder")  # only the tool's own folder is exempt
+    # a run folder inside this one (QS_FAMILY=dflash trains into OUT/dflash) has wandb's links too
+    (run_dir / "dflash" / "wandb" / "offline-run-2").mkdir(parents=True)
+    (run_dir / "dflash" / "wandb" / "latest-run").symlink_to("offline-run-2")
+    refuse_symlinks(run_dir, "run folder", tools=("wandb",))
+    (run_dir / "dflash" / "metrics.jsonl").symlink_to(tmp_path / "cache.log")
+    with pytest.raises(UserError, match="dflash/metrics.jsonl: a symlink inside the run folder"):
+        refuse_symlinks(run_dir, "run folder", tools=("wandb",))  # the nested run's own files are checked
+    (run_dir / "dflash" / "metrics.jsonl").unlink()
     (run_dir / "metrics.jsonl").symlink_to(run_dir / "wandb" / "latest-run")
     with pytest.raises(UserError, match="metrics.jsonl: a symlink inside the run folder"):
         refuse_symlinks(run_dir, "run folder", tools=("wandb",))  # our own files are still checked
