@@ -77,14 +77,15 @@ def reference_block_logits(sd: dict, layer: dict, aux: torch.Tensor, embed: torc
     """The engines' DFlash forward written out from the equations (no project code): logits [block, DV] of
     the block [anchor, mask x (block-1)] at positions n..n+block-1 over the context aux [n, k*H]; with prev
     (a token id per slot), plus DSpark's Markov bias markov_w2 @ markov_w1[prev] of each slot; with an
-    anchor_proj (head.anchor_feature), every slot's input plus anchor_proj @ c[n-1], the context's last feature."""
+    anchor_proj (head.anchor_feature), every slot's input anchor_proj @ [its embedding, c[n-1]], c[n-1] the
+    context's last feature."""
     eps, nh, nkv = layer["rms_norm_eps"], layer["num_attention_heads"], layer["num_key_value_heads"]
     d, theta = layer["head_dim"], layer["rope_theta"]
     n = aux.shape[0]
     c = _rms(aux @ sd["fc.weight"].T, sd["hidden_norm.weight"], eps)
     h = embed[torch.tensor([anchor] + [mask_id] * (block - 1))]
     if "anchor_proj.weight" in sd:
-        h = h + c[-1] @ sd["anchor_proj.weight"].T
+        h = torch.cat([h, c[-1].expand(block, -1)], -1) @ sd["anchor_proj.weight"].T
     pc, pb = torch.arange(n), torch.arange(n, n + block)
     for i in range(layer["num_hidden_layers"]):
         w = {k.split(f"layers.{i}.", 1)[1]: v for k, v in sd.items() if k.startswith(f"layers.{i}.")}

@@ -24,8 +24,8 @@ DSpark's variant (vLLM `qwen3_dspark.py` and its DSpark speculator; two config o
     markov_rows draft    markov_w1 holds a row per draft-vocab id plus one shared by every other id (exported
                          to DSpark's layout as a row per target id: the same function)
 This project's option (no engine layout):
-    anchor_feature       h^0_i += anchor_proj(c_{n-1}) in every slot: the newest context feature in the input,
-                         as EAGLE-3's first step and P-EAGLE's depth 0 have it
+    anchor_feature       h^0_i = anchor_proj([emb_i, c_{n-1}]) in every slot: the newest context feature in the
+                         input, as EAGLE-3's first step (its fc of [embedding, feature]) and P-EAGLE's depth 0 have it
 Training (heads/dflash/losses.py): anchors a sampled per sequence; slot k of the block at a sees features
 < a and its own block, predicts x_{a+k} against the target's distribution at a+k-1 with weight
 exp(-(k-1)/gamma), loss_mask[a+k] and t2d[target argmax] as masks (speculators' recipe).

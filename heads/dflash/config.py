@@ -46,7 +46,7 @@ class DFlashConfig(HeadConfig):
     # of it about a tenth of SmolLM2's training step): exported to DSpark's layout with each id given its row.
     markov_rows: Literal["target", "draft"] = "target"
     # The anchor's context feature in every slot's input (P-EAGLE's and EAGLE-3's first-step input, not DFlash's
-    # or DSpark's): slot inputs = embedding + anchor_proj(c_{a-1}), c = hidden_norm(fc(captured layers)) at the
+    # or DSpark's): slot inputs = anchor_proj([embedding, c_{a-1}]), c = hidden_norm(fc(captured layers)) at the
     # position before the anchor, so the query that drafts the first token holds the target's newest state
     # directly instead of fetching it through attention. No engine layout serves it (convert refuses it).
     anchor_feature: bool = False

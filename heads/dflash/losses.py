@@ -13,8 +13,9 @@ exp(-(k-1)/gamma) (heads.dflash.config.loss_weights; slot 0 predicts nothing).
 With `sample_from_anchor` (DSpark's layout) every slot drafts, one position later: slot k predicts
 x_{a+k+1} against the target's distribution at a+k, weight exp(-k/gamma). With a Markov head, slot k's logits
 add the bias of the token before the one it predicts (the sequence's own token at the label position: the
-draft that an accepted chain would have fed it). With `anchor_feature`, every slot's input adds the projected
-context feature at a-1 (the position before the anchor: the newest one the drafter has at drafting time).
+draft that an accepted chain would have fed it). With `anchor_feature`, every slot's input is a projection of
+its embedding and the context feature at a-1 (the position before the anchor: the newest one the drafter has at
+drafting time).
 
 Anchors: `anchors` positions per sequence drawn uniformly, without replacement, among a in 1..T-2 with
 loss_mask[a+1] = 1 (the first drafted token is supervised; a >= 1 leaves a context); a sequence with fewer
