@@ -173,12 +173,23 @@ vllm serve {target_hub} \\
 
 _ANCHOR_FEATURE = ("head.anchor_feature: neither vLLM's DFlash nor its DSpark speculator has the anchor's context "
                    "feature in the slot inputs; this head has no engine layout (it drafts in our decoder)")
+_PREV_MLP = ("head.prev_mlp: neither vLLM's DFlash nor its DSpark speculator refines a slot's state by the previous "
+             "token's embedding; this head has no engine layout (it drafts in our decoder)")
+
+
+def _ours_only(head_config: dict) -> str:
+    """Why no engine layout holds this head ("" when one may): options only our decoder drafts with."""
+    if head_config.get("anchor_feature"):
+        return _ANCHOR_FEATURE
+    if head_config.get("prev_mlp"):
+        return _PREV_MLP
+    return ""
 
 
 def refuses_dflash(head_config: dict) -> str:
     """Why a head cannot go to the DFlash layout ("" when it can): DSpark's options are not DFlash's."""
-    if head_config.get("anchor_feature"):
-        return _ANCHOR_FEATURE
+    if why := _ours_only(head_config):
+        return why
     if head_config.get("markov_rank"):
         return ("a DFlash head with a Markov head (head.markov_rank) is DSpark's: export it with --to "
                 "speculators_dspark (vLLM 0.32 serves DSpark only on its V2 model runner, which needs Triton with "
@@ -191,8 +202,8 @@ def refuses_dflash(head_config: dict) -> str:
 
 def refuses_dspark(head_config: dict) -> str:
     """Why a head cannot go to the DSpark layout ("" when it can): it needs the Markov head."""
-    if head_config.get("anchor_feature"):
-        return _ANCHOR_FEATURE
+    if why := _ours_only(head_config):
+        return why
     if not head_config.get("markov_rank"):
         return ("speculators_dspark needs a Markov head (head.markov_rank > 0); export a plain DFlash head with "
                 "--to speculators_dflash")

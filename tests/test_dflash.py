@@ -73,12 +73,15 @@ def _rope(x, pos, theta):
 
 
 def reference_block_logits(sd: dict, layer: dict, aux: torch.Tensor, embed: torch.Tensor, anchor: int,
-                           mask_id: int, block: int, prev: list[int] | None = None) -> torch.Tensor:
+                           mask_id: int, block: int, prev: list[int] | None = None,
+                           rows: list[int] | None = None) -> torch.Tensor:
     """The engines' DFlash forward written out from the equations (no project code): logits [block, DV] of
     the block [anchor, mask x (block-1)] at positions n..n+block-1 over the context aux [n, k*H]; with prev
-    (a token id per slot), plus DSpark's Markov bias markov_w2 @ markov_w1[prev] of each slot; with an
-    anchor_proj (head.anchor_feature), every slot's input anchor_proj @ [its embedding, c[n-1]], c[n-1] the
-    context's last feature."""
+    (a target id per slot: the token before the one it drafts), plus DSpark's Markov bias markov_w2 @
+    markov_w1[row] of each slot (row: rows[i], a compact table's, else prev[i]); with an anchor_proj
+    (head.anchor_feature), every slot's input anchor_proj @ [its embedding, c[n-1]], c[n-1] the context's last
+    feature; with a prev_mlp (head.prev_mlp, Hydra's refinement), each final state h_i first
+    h_i + down @ silu(up @ [rms(h_i), rms(embed[prev[i]])])."""
     eps, nh, nkv = layer["rms_norm_eps"], layer["num_attention_heads"], layer["num_key_value_heads"]
     d, theta = layer["head_dim"], layer["rope_theta"]
     n = aux.shape[0]
@@ -103,18 +106,25 @@ def reference_block_logits(sd: dict, layer: dict, aux: torch.Tensor, embed: torc
         h = h + torch.einsum("hqk,khd->qhd", att, v).reshape(block, nh * d) @ w["self_attn.o_proj.weight"].T
         x2 = _rms(h, w["post_attention_layernorm.weight"], eps)
         h = h + (F.silu(x2 @ w["mlp.gate_proj.weight"].T) * (x2 @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+    if "prev_mlp.up.weight" in sd:
+        x = torch.cat([_rms(h, sd["prev_mlp.norm.weight"], eps),
+                       _rms(embed[torch.tensor(prev)], sd["prev_mlp.emb_norm.weight"], eps)], -1)
+        h = h + F.silu(x @ sd["prev_mlp.up.weight"].T) @ sd["prev_mlp.down.weight"].T
     out = _rms(h, sd["norm.weight"], eps) @ sd["lm_head.weight"].T
-    if prev is not None:
-        out = out + sd["markov_head.markov_w1.weight"][torch.tensor(prev)] @ sd["markov_head.markov_w2.weight"].T
+    if "markov_head.markov_w1.weight" in sd:
+        row = torch.tensor(prev if rows is None else rows)
+        out = out + sd["markov_head.markov_w1.weight"][row] @ sd["markov_head.markov_w2.weight"].T
     return out
 
 
 # The layouts under test: DFlash's fill-in block; DSpark's (the anchor's slot drafts too); with its Markov
-# head; and that with a compact Markov table and the anchor's context feature in the slot inputs
-# (head.markov_rows draft, head.anchor_feature: no engine layout).
+# head; that with a compact Markov table and the anchor's context feature in the slot inputs
+# (head.markov_rows draft, head.anchor_feature: no engine layout); and the anchor feature with Hydra's
+# refinement by the previous token (head.prev_mlp: no engine layout) in place of the Markov head.
 VARIANTS = {"dflash": {}, "from_anchor": {"sample_from_anchor": True},
             "dspark": {"sample_from_anchor": True, "markov_rank": 8},
-            "anchor": {"sample_from_anchor": True, "markov_rank": 8, "markov_rows": "draft", "anchor_feature": True}}
+            "anchor": {"sample_from_anchor": True, "markov_rank": 8, "markov_rows": "draft", "anchor_feature": True},
+            "hydra": {"sample_from_anchor": True, "anchor_feature": True, "prev_mlp": 16}}
 
 
 def _layer(io, head) -> dict:
@@ -205,11 +215,11 @@ def test_loss_matches_a_direct_computation(tiny_target, variant):
     num, den = 0.0, 0.0
     for b in range(2):
         for a, ok in zip(anchors[b].tolist(), valid[b].tolist()):
-            prev = [int(ids[b, min(a + k - f, 11)]) for k in range(4)] if head.markov_head is not None else None
-            if prev is not None:  # the table's rows (a compact table's map: its own test)
-                prev = head.markov_row(torch.tensor(prev)).tolist()
+            prev = [int(ids[b, min(a + k - f, 11)]) for k in range(4)] if head.sequential else None
+            # the table's rows (a compact table's map: its own test)
+            rows = head.markov_row(torch.tensor(prev)).tolist() if head.markov_head is not None else None
             ref = reference_block_logits(sd, _layer(io, head), batch["aux"][b, :a], io.embed.weight.detach(),
-                                         int(ids[b, a]), head.mask_token_id, 4, prev)
+                                         int(ids[b, a]), head.mask_token_id, 4, prev, rows)
             for k in range(f, 4):
                 at = a + k + 1 - f  # the predicted position
                 if not ok or at >= 12 or not lmask[b, at] or not head.t2d[tl[b, at - 1].argmax()]:
@@ -236,20 +246,21 @@ def test_training_blocks_equal_drafting_blocks(tiny_target, variant):
     for j, a in enumerate(anchors[0].tolist()):
         d = dflash.drafter(head, io)
         d.begin(ids[:, :a], forward_features(model, ids[:, :a], None, LAYERS)[0], int(ids[0, a]))
-        prev = ids[0, a : a + 4 - f] if head.markov_head is not None else None
+        prev = ids[0, a : a + 4 - f] if head.sequential else None
         torch.testing.assert_close(d.block_logits(prev), train[0, j, f:], rtol=1e-4, atol=1e-5)
         chain = d.draft(4, 0.0).tokens  # each slot fed the token drawn before it (the anchor for the first)
-        fed = torch.cat([ids[0, a : a + 1], chain[:-1]]) if head.markov_head is not None else None
+        fed = torch.cat([ids[0, a : a + 1], chain[:-1]]) if head.sequential else None
         assert head.to_target_ids(d.block_logits(fed).argmax(-1)).tolist() == chain.tolist()
         assert int(chain[0]) == int(head.to_target_ids(train[0, j, f].argmax()))
 
 
-def test_a_markov_chain_reports_each_slots_law_given_the_tokens_drawn_before_it(tiny_target):
-    """With a Markov head the drafter draws left to right: slot i's q (what the verifier's min(1, p/q) needs) is
-    softmax((base_i + bias(token drawn at i-1)) / T), the anchor before the first. Reporting the base q, or
-    biasing by a stale token, breaks exactness; here it fails a direct comparison."""
+@pytest.mark.parametrize("variant", ["dspark", "hydra"])
+def test_a_sequential_chain_reports_each_slots_law_given_the_tokens_drawn_before_it(tiny_target, variant):
+    """With a Markov head (or head.prev_mlp) the drafter draws left to right: slot i's q (what the verifier's
+    min(1, p/q) needs) is softmax(logits_i(token drawn at i-1) / T), the anchor before the first. Reporting the
+    q of another token, or conditioning on a stale one, breaks exactness; here it fails a direct comparison."""
     model, _, io = tiny_target
-    _, head = _head(io, **VARIANTS["dspark"])
+    _, head = _head(io, **VARIANTS[variant])
     ids = torch.randint(0, io.vocab_size, (1, 9))
     d = dflash.drafter(head, io)
     d.begin(ids[:, :8], forward_features(model, ids[:, :8], None, LAYERS)[0], int(ids[0, 8]))
@@ -265,7 +276,7 @@ def test_a_markov_chain_reports_each_slots_law_given_the_tokens_drawn_before_it(
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("variant", ["dflash", "dspark", "anchor"])
+@pytest.mark.parametrize("variant", ["dflash", "dspark", "anchor", "hydra"])
 def test_drafting_together_equals_each_requests_own_draft(tiny_target, variant, temperature):
     """DFlashDrafter.draft_together (the batched decoder's rows, one block pass for all): requests with
     contexts of different lengths and different draft lengths get the chain their own draft makes, sampled ones
@@ -466,8 +477,11 @@ def test_each_layout_refuses_the_other_kind_of_head(tiny_target, tmp_path):
                                    ("from_anchor", "speculators_dflash", "no engine layout", ()),
                                    ("anchor", "speculators_dspark", "anchor_feature", ()),
                                    ("anchor", "speculators_dflash", "anchor_feature", ()),
+                                   ("prev_mlp", "speculators_dspark", "prev_mlp", ()),
+                                   ("prev_mlp", "speculators_dflash", "prev_mlp", ()),
                                    ("dflash", "speculators_dspark", "Markov head", ("speculators_dflash",))):
-        cfg, head = _head(io, **VARIANTS[variant])
+        kw = {"sample_from_anchor": True, "markov_rank": 8, "prev_mlp": 16} if variant == "prev_mlp" else VARIANTS[variant]
+        cfg, head = _head(io, **kw)
         assert layouts_of("dflash", dataclasses.asdict(cfg)) == own
         native = save_head(tmp_path / variant, head, cfg, io)
         with pytest.raises(ExportError, match=msg):

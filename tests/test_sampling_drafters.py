@@ -6,8 +6,9 @@ sequence law of the first L new tokens spreads over many outcomes (exactly enume
 Drafters (each made close to the target, so drafts are often accepted AND often rejected, which is what
 gives a test power): EAGLE-3 chain and dynamic tree, Medusa (static top-k tree), MTP, a separate draft model
 (a perturbed copy of the target), self-speculative (the target's first layers), n-gram (on a prompt with
-repeats), the DFlash block drafter (trained briefly on the toy target, then sharpened) and its DSpark variant
-(every slot drafts, a strong Markov bias: later slots' q depend on the token drawn before), and the EAGLE-3
+repeats), the DFlash block drafter (trained briefly on the toy target, then sharpened), its DSpark variant
+(every slot drafts, a strong Markov bias: later slots' q depend on the token drawn before) and the quickstart's
+block drafter's options on it (hydra: the anchor feature and a strong head.prev_mlp), and the EAGLE-3
 chain and DSpark heads again drafting in bfloat16 on the float32 target (eval.draft_dtype). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
 exact law by Pearson's chi-square (`drafters_common.chi_square`, cells with expected count < 5 pooled); the
 test fails when p < ALPHA = 0.01, so its false-alarm rate is <= 0.01.
@@ -38,6 +39,8 @@ lambda = stat - df, and the power P(noncentral chi-square(df, lambda) > critical
     dflash        1.3  26  31.8 |  96.3  0.999                 | n/a
     dspark        0.7  23  24.1 | 129.0  1.000                 | n/a
     dspark        1.3  26  22.5 | 114.7  1.000                 | n/a
+    hydra         0.7  23  30.0 | 166.6  1.000                 | n/a
+    hydra         1.3  26  23.1 | 166.1  1.000                 | n/a
     eagle_chain_bf16 0.7 23 25.4 | 246.2  1.000                 | n/a
     eagle_chain_bf16 1.3 26 23.2 | 154.4  1.000                 | n/a
     dspark_bf16   0.7  23  26.1 | 128.2  1.000                 | n/a
@@ -74,7 +77,7 @@ ALPHA = 0.01
 # passes both accept and reject often, and a wrong rejection rule shows (see the power table).
 SHARP = 4.0
 PROMPT = [1, 5, 3, 9, 1, 5, 3, 9, 1]
-DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram", "dflash", "dspark",
+DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram", "dflash", "dspark", "hydra",
             "eagle_chain_bf16", "dspark_bf16"]
 TEMPERATURES = [0.7, 1.3]
 
@@ -130,6 +133,9 @@ def build_toy():
 
     dfl = _trained_dflash(model, io)
     dsp = _trained_dflash(model, io, sample_from_anchor=True, markov_rank=4)
+    # the quickstart block drafter's options: a compact Markov table, the anchor feature, Hydra's refinement
+    hyd = _trained_dflash(model, io, sample_from_anchor=True, markov_rank=4, markov_rows="draft", anchor_feature=True,
+                          prev_mlp=8)
     # The same heads drafting in bfloat16 on the float32 target (eval.draft_dtype): q is computed from
     # bfloat16 logits, and must still be the law each token was drawn from.
     e3_bf16, dsp_bf16 = copy.deepcopy(e3), copy.deepcopy(dsp)
@@ -149,6 +155,7 @@ def build_toy():
         "ngram": lambda i: NgramDrafter(),
         "dflash": lambda i: dflash.drafter(dfl, io, generator=gen(10_000 + i)),
         "dspark": lambda i: dflash.drafter(dsp, io, generator=gen(10_000 + i)),
+        "hydra": lambda i: dflash.drafter(hyd, io, generator=gen(10_000 + i)),
         "eagle_chain_bf16": lambda i: eagle.drafter(e3_bf16, io, generator=gen(10_000 + i)),
         "dspark_bf16": lambda i: dflash.drafter(dsp_bf16, io, generator=gen(10_000 + i)),
     }
@@ -160,8 +167,9 @@ def _trained_dflash(model, io, **kw):
     toy target's own distributions: a block drafter can only approximate p(x_{n+i} | prefix) by learning it,
     and a q near p (not equal) is what makes passes both accept and reject with overlapping q and p; its
     logits are then sharpened by SHARP like the other drafters' (a rejected q-heavy token leaves a residual
-    far from p, which is what shows a wrong rejection rule). With DSpark's options (kw), its Markov bias is
-    then made strong (each later slot's q depends on the token drawn before it)."""
+    far from p, which is what shows a wrong rejection rule). With DSpark's options (kw), its Markov bias (and
+    with head.prev_mlp, the refinement's output) is then made strong (each later slot's q depends on the token
+    drawn before it)."""
     torch.manual_seed(5)
     head = dflash.build(dflash.DFlashConfig(layer_ids=[1, 2, 3], draft_vocab_size=V, block_size=4, anchors=8, **kw),
                         io)
@@ -179,10 +187,12 @@ def _trained_dflash(model, io, **kw):
         opt.step()
     with torch.no_grad():  # then sharper than the target, as the other drafters here (see SHARP)
         head.lm_head.weight.mul_(SHARP)
+        g = torch.Generator().manual_seed(6)
         if head.markov_head is not None:  # bias sd ~0.5 a logit: q moves with the previous draw
-            g = torch.Generator().manual_seed(6)
             for w in (head.markov_head.markov_w1.weight, head.markov_head.markov_w2.weight):
                 w.copy_(0.5 * torch.randn(w.shape, generator=g))
+        if head.prev_mlp is not None:  # the state, too, moves with the previous draw
+            head.prev_mlp.down.weight.copy_(0.5 * torch.randn(head.prev_mlp.down.weight.shape, generator=g))
     return head.eval()
 
 
@@ -214,7 +224,7 @@ def test_speculative_sampling_is_exact_on_the_static_cache(toy, name):
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize("name", ["eagle_chain", "mtp", "draft_model", "self_spec", "dflash", "dspark",
+@pytest.mark.parametrize("name", ["eagle_chain", "mtp", "draft_model", "self_spec", "dflash", "dspark", "hydra",
                                   "eagle_chain_bf16", "dspark_bf16"])
 def test_drafted_tokens_follow_the_reported_q(toy, name, temperature):
     """A chain drafter's first token is drawn from exactly the q it hands the verifier (min(1, p/q) needs it).

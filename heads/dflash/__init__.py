@@ -23,9 +23,12 @@ DSpark's variant (vLLM `qwen3_dspark.py` and its DSpark speculator; two config o
                          pass stays one, the draws go left to right, each q_i conditioned on the chain drawn
     markov_rows draft    markov_w1 holds a row per draft-vocab id plus one shared by every other id (exported
                          to DSpark's layout as a row per target id: the same function)
-This project's option (no engine layout):
+This project's options (no engine layout):
     anchor_feature       h^0_i = anchor_proj([emb_i, c_{n-1}]) in every slot: the newest context feature in the
                          input, as EAGLE-3's first step (its fc of [embedding, feature]) and P-EAGLE's depth 0 have it
+    prev_mlp W > 0       before the LM head, h_i += down(silu(up([norm(h_i), emb_norm(emb(t_i))]))), width W, t_i as
+                         the Markov head's (Hydra's sequentially-dependent heads, arXiv 2402.05109): each slot's
+                         state reads the token drawn before it; drawn left to right as the Markov head's
 Training (heads/dflash/losses.py): anchors a sampled per sequence; slot k of the block at a sees features
 < a and its own block, predicts x_{a+k} against the target's distribution at a+k-1 with weight
 exp(-(k-1)/gamma), loss_mask[a+k] and t2d[target argmax] as masks (speculators' recipe).
@@ -33,8 +36,8 @@ exp(-(k-1)/gamma), loss_mask[a+k] and t2d[target argmax] as masks (speculators' 
 The package, one job per module (this file re-exports their public names and declares the family,
 `FAMILIES`, for heads.registry; its loss reads the stored target argmax, as EAGLE-3's does):
     config.py   DFlashConfig, feature_layers, resolved_mask_token, loss_weights, first_slot
-    model.py    DFlashAttention, DFlashLayer, MarkovHead, DFlashHead, block_attention, build, prepare (draft
-                vocab, LM head rows)
+    model.py    DFlashAttention, DFlashLayer, MarkovHead, PrevTokenMLP, DFlashHead, block_attention, build,
+                prepare (draft vocab, LM head rows)
     losses.py   loss, block_loss, block_logits, block_alignment, context_mask, sample_anchors
     drafting.py DFlashDrafter, drafter, drafter_factory
 
@@ -56,6 +59,7 @@ from heads.dflash.model import (
     DFlashHead,
     DFlashLayer,
     MarkovHead,
+    PrevTokenMLP,
     block_attention,
     build,
     prepare,
@@ -70,6 +74,6 @@ FAMILIES = (Family(name="dflash", config=DFlashConfig, feature_layers=feature_la
 __all__ = [
     "FAMILIES", "DFlashAttention", "DFlashConfig", "DFlashDrafter", "DFlashHead", "DFlashLayer", "block_alignment",
     "block_attention", "block_logits", "block_loss", "build", "context_mask", "drafter", "drafter_factory",
-    "feature_layers", "first_slot", "loss", "loss_weights", "MarkovHead", "prepare", "resolved_mask_token",
+    "feature_layers", "first_slot", "loss", "loss_weights", "MarkovHead", "PrevTokenMLP", "prepare", "resolved_mask_token",
     "sample_anchors",
 ]

@@ -50,6 +50,11 @@ class DFlashConfig(HeadConfig):
     # position before the anchor, so the query that drafts the first token holds the target's newest state
     # directly instead of fetching it through attention. No engine layout serves it (convert refuses it).
     anchor_feature: bool = False
+    # Hydra's sequential dependence on the block drafter (Ankner et al. 2024, "Hydra: Sequentially-Dependent Draft
+    # Heads"): before the LM head, each drafting slot's state h gains down(silu(up([norm(h), emb(the token before
+    # the one it drafts)]))), an MLP of this width over the target's (frozen, shared) embedding of that token, run
+    # slot by slot after the one block pass as the Markov bias is; 0 = none. No engine layout serves it.
+    prev_mlp: int = 0
 
 
 def feature_layers(cfg: HeadConfig, target_config: Any) -> list[int]:
@@ -70,6 +75,8 @@ def check(cfg: DFlashConfig, vocab_size: int) -> None:
         raise ValueError(f"head.markov_rank {cfg.markov_rank}: must be >= 0 (0 = no Markov head)")
     if cfg.markov_rows not in ("target", "draft"):  # dataclasses built in code skip the YAML check
         raise ValueError(f"head.markov_rows '{cfg.markov_rows}': must be target or draft")
+    if cfg.prev_mlp < 0:
+        raise ValueError(f"head.prev_mlp {cfg.prev_mlp}: must be >= 0 (0 = none)")
     if cfg.decay_gamma <= 0:
         raise ValueError(f"head.decay_gamma {cfg.decay_gamma}: must be > 0")
     resolved_mask_token(cfg, vocab_size)

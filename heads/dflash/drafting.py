@@ -7,9 +7,9 @@ State between calls: each layer's keys/values of the committed context (position
 features only) and the anchor, the newest token at position n that the target has not processed. `draft(k)` runs
 the block [anchor, mask x (B-1)] at positions n..n+B-1 once over the whole context, and returns the chain of its
 first min(k, m) drafting slots (m = B - 1; B with sample_from_anchor). The block is always run whole, so slot
-i's base logits depend only on the committed prefix (never on k); with a Markov head, the drafted tokens are
-then drawn left to right, each slot's q its base logits plus the bias of the token drawn before it (the anchor
-for the first), as vLLM's DSpark speculator does. Either way each drafted token is drawn from a q that depends
+i's state depends only on the committed prefix (never on k); with a Markov head or head.prev_mlp, the drafted
+tokens are then drawn left to right, each slot's q its logits given the token drawn before it (the anchor for
+the first), as vLLM's DSpark speculator does. Either way each drafted token is drawn from a q that depends
 only on the prefix and the chain before it (argmax at temperature 0), which is what exact chain verification
 needs. Nothing drafted is ever kept: `commit` / `commit_tokens` append the target's features of the accepted
 positions to the context, whatever path (head or n-gram) was accepted.
@@ -120,8 +120,8 @@ class DFlashDrafter:
     @torch.no_grad()
     def block_logits(self, prev: torch.Tensor | None = None) -> torch.Tensor:
         """Draft-vocab logits [drafting slots, DV] of the current block; prev [drafting slots]: the target ids
-        before each drafted token, needed (only) with a Markov head."""
-        return self.head.logits(self.block_states(), prev).float()
+        before each drafted token, needed (only) by a sequential head (a Markov head, head.prev_mlp)."""
+        return self.head.logits(self.block_states(), prev, self.target).float()
 
     @torch.no_grad()
     def draft(self, k: int, temperature: float) -> DraftTree:
@@ -131,23 +131,25 @@ class DFlashDrafter:
             return ready[2]
         if m <= 0:
             return DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.device))
-        return DFlashDrafter._chains([self], self.head.base_logits(self.block_states()[None, :m]), [m], temperature)[0]
+        return DFlashDrafter._chains([self], self.block_states()[None, :m], [m], temperature)[0]
 
     @staticmethod
-    def _chains(drafters: list[DFlashDrafter], base: torch.Tensor, ms: list[int],
+    def _chains(drafters: list[DFlashDrafter], h: torch.Tensor, ms: list[int],
                 temperature: float) -> list[DraftTree]:
-        """Each request's chain of its first ms[r] slots from the blocks' base logits [requests, slots, DV]:
-        without a Markov head one draw per slot at once; with one, DSpark's sequential stage, slot by slot left
-        to right, each slot's bias that of the token its request drew before it (the anchor for the first),
-        every request's bias of a slot in one call. A request's draws are the ones its own draft makes."""
-        head = drafters[0].head
-        if head.markov_head is None:
-            return [d._draw(base[r, :m].float(), temperature) for r, (d, m) in enumerate(zip(drafters, ms))]
+        """Each request's chain of its first ms[r] slots from the blocks' drafting states h [requests, slots, H]:
+        for a head that is not sequential one draw per slot at once; for one (a Markov head, head.prev_mlp),
+        DSpark's sequential stage, slot by slot left to right, each slot's logits those of the token its request
+        drew before it (the anchor for the first), every request's slot in one call. A request's draws are the
+        ones its own draft makes."""
+        head, target = drafters[0].head, drafters[0].target
+        if not head.sequential:
+            base = head.logits(h).float()
+            return [d._draw(base[r, :m], temperature) for r, (d, m) in enumerate(zip(drafters, ms))]
         ids: list[list[torch.Tensor]] = [[] for _ in drafters]
         probs: list[list[torch.Tensor]] = [[] for _ in drafters]
         prev = torch.tensor([d.anchor for d in drafters], device=drafters[0].device)
         for i in range(max(ms)):
-            logits = head.add_markov_bias(base[:, i], prev).float()  # [requests, DV]
+            logits = head.logits(h[:, i], prev, target).float()  # [requests, DV]
             for r, (d, m) in enumerate(zip(drafters, ms)):
                 if i < m:  # past its length a request draws no more (its generator: as many draws as its own draft)
                     tree = d._draw(logits[r : r + 1], temperature)
@@ -186,8 +188,8 @@ class DFlashDrafter:
         emb = head.block_embeddings(torch.tensor([d.anchor for d in drafters], device=dev), first.target, last)
         pos = n[:, None] + torch.arange(bs, device=dev)
         h = head.block_states(emb, pos, ctx, seen[:, None, None, :].expand(-1, 1, bs, -1), first.target)
-        base = head.base_logits(h[:, head.first_slot : head.first_slot + max(ms)])
-        for d, m, tree in zip(drafters, ms, DFlashDrafter._chains(drafters, base, ms, temperature)):
+        states = h[:, head.first_slot : head.first_slot + max(ms)]
+        for d, m, tree in zip(drafters, ms, DFlashDrafter._chains(drafters, states, ms, temperature)):
             d.ready = (m, temperature, tree)
 
     @staticmethod

@@ -13,7 +13,8 @@ exp(-(k-1)/gamma) (heads.dflash.config.loss_weights; slot 0 predicts nothing).
 With `sample_from_anchor` (DSpark's layout) every slot drafts, one position later: slot k predicts
 x_{a+k+1} against the target's distribution at a+k, weight exp(-k/gamma). With a Markov head, slot k's logits
 add the bias of the token before the one it predicts (the sequence's own token at the label position: the
-draft that an accepted chain would have fed it). With `anchor_feature`, every slot's input is a projection of
+draft that an accepted chain would have fed it); with head.prev_mlp, slot k's state is refined by that same
+token's embedding. With `anchor_feature`, every slot's input is a projection of
 its embedding and the context feature at a-1 (the position before the anchor: the newest one the drafter has at
 drafting time).
 
@@ -93,8 +94,8 @@ def block_logits(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch
     emb = head.block_embeddings(ids.gather(1, anchors), target, before).reshape(b, n * bs, -1)
     slots, labels = block_alignment(anchors, bs, head.first_slot)
     h = head.block_states(emb, slots.reshape(b, n * bs), ctx_kv, context_mask(anchors, bs, t), target)
-    prev = ids.gather(1, labels.clamp(0, t - 1).reshape(b, -1)) if head.markov_head is not None else None
-    return head.logits(h, prev).float().reshape(b, n, bs, -1)
+    prev = ids.gather(1, labels.clamp(0, t - 1).reshape(b, -1)) if head.sequential else None
+    return head.logits(h, prev, target).float().reshape(b, n, bs, -1)
 
 
 def block_loss(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch.Tensor, valid: torch.Tensor,

@@ -11,6 +11,8 @@ names theirs; the equations in heads/dflash/__init__.py's docstring):
     logits = lm_head(norm(h))         lm_head: the target's rows of the draft vocab, frozen
              (+ markov_head.markov_w2(markov_w1[the token before the drafted one]) with head.markov_rank:
              DSpark's transition bias, vLLM `qwen3_dspark.py`)
+             (with head.prev_mlp, h first <- h + prev_mlp.down(silu(prev_mlp.up([prev_mlp.norm(h),
+             prev_mlp.emb_norm(embed(the token before the drafted one))]))): Hydra's sequential dependence)
     with head.anchor_feature, every slot's input is anchor_proj([its embedding, c_{a-1}]) (c at the position
              before the anchor; EAGLE-3's fc of its first step's [embedding, feature]): served by no engine's
              DFlash/DSpark layout
@@ -25,7 +27,8 @@ attention (one block) is SDPA with grouped KV heads (enable_gqa), training's (ma
         context_kv(c, positions, target) -> [(k, v) per layer]     the context's keys/values
         block_embeddings(anchors, target, before=None) -> emb       [anchor, mask x (B-1)] (or anchor_proj([., before]))
         block_states(emb, positions, ctx_kv, ctx_mask, target) -> h    the blocks through every layer
-        logits(h, prev=None)                                       over the draft vocab (+ Markov bias of prev)
+        logits(h, prev=None, target=None)                          over the draft vocab (prev_mlp's refinement by
+                                                                   prev's embedding, + Markov bias of prev)
     block_attention(q, ctx, kb, vb, ctx_mask, block_size)   training's attention (context + each block's square)
 
 Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py`.
@@ -150,6 +153,22 @@ class MarkovHead(nn.Module):
         return self.markov_w2(self.markov_w1(prev))
 
 
+class PrevTokenMLP(nn.Module):
+    """Hydra's sequential dependence (head.prev_mlp): h + down(silu(up([norm(h), emb_norm(e)]))) with e the target's
+    embedding of the token before the drafted one; `down` starts at zero, so training starts from the state."""
+
+    def __init__(self, hidden: int, width: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden, eps)
+        self.emb_norm = RMSNorm(hidden, eps)
+        self.up = nn.Linear(2 * hidden, width, bias=False)
+        self.down = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.norm(h), self.emb_norm(emb.to(h.dtype))], dim=-1)
+        return h + self.down(F.silu(self.up(x)))
+
+
 class DFlashHead(nn.Module):
     """fc, hidden_norm, layers.{l}, norm, lm_head (frozen target rows) and the draft vocab maps d2t / t2d."""
 
@@ -180,6 +199,9 @@ class DFlashHead(nn.Module):
         # [slot embedding, c_{a-1}] -> H, EAGLE-3's fc of its [embedding, feature]: held-out tau_sim 1.607 against
         # 1.586 for embedding + a projection of c_{a-1} alone (the same 340 steps and time; docs/results.md)
         self.anchor_proj = nn.Linear(2 * h, h, bias=False) if cfg.anchor_feature else None
+        # Hydra's refinement by the previous token: held-out tau_sim 1.629 against 1.607 at the same 340 steps, the
+        # later slots +0.02-0.03 (docs/experiments.md)
+        self.prev_mlp = PrevTokenMLP(h, cfg.prev_mlp, eps) if cfg.prev_mlp else None
         # The target's LM head restricted to the draft vocab (`prepare` copies the rows): frozen, as the
         # engines and speculators share it; stored so that an export carries exactly the rows drafted with.
         self.lm_head = nn.Linear(h, draft_vocab, bias=False).requires_grad_(False)
@@ -208,24 +230,30 @@ class DFlashHead(nn.Module):
             h = layer(h, ctx, cos, sin, ctx_mask, self.block_size)
         return h
 
-    def logits(self, h: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
-        """Draft-vocab logits of states h [..., H]; with a Markov head, plus its bias of prev [...] (the target
-        id of the token before each drafted one), which must then be given."""
-        out = self.base_logits(h)
+    @property
+    def sequential(self) -> bool:
+        """Whether a slot's logits depend on the token drawn before it (a Markov head or head.prev_mlp): then
+        drafting draws the block's slots one by one (`logits` per slot), else all at once."""
+        return self.markov_head is not None or self.prev_mlp is not None
+
+    def logits(self, h: torch.Tensor, prev: torch.Tensor | None = None, target: TargetIO | None = None) -> torch.Tensor:
+        """Draft-vocab logits of states h [..., H]: lm_head(norm(h)); with head.prev_mlp, of h refined by the
+        target's embedding of prev [...] (the target id of the token before each drafted one) first; with a
+        Markov head, plus its bias of prev. A sequential head (`sequential`) needs prev, and prev_mlp the target."""
+        if not self.sequential:
+            return self.lm_head(self.norm(h))
+        if prev is None:
+            raise ValueError("DFlash head with a Markov head or prev_mlp: logits() needs the previous tokens")
+        if self.prev_mlp is not None:
+            if target is None:
+                raise ValueError("DFlash head with head.prev_mlp: logits() needs the target (its embeddings)")
+            with torch.no_grad():
+                emb = target.embed(prev.to(next(target.embed.parameters()).device)).to(h.device)
+            h = self.prev_mlp(h, emb)
+        out = self.lm_head(self.norm(h))
         if self.markov_head is None:
             return out
-        if prev is None:
-            raise ValueError("DFlash head with a Markov head: logits() needs the previous tokens")
-        return self.add_markov_bias(out, prev)
-
-    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits of states h [..., H] before any Markov bias: lm_head(norm(h))."""
-        return self.lm_head(self.norm(h))
-
-    def add_markov_bias(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """`base_logits` [..., DV] plus the Markov head's bias of prev [...]: what `logits` returns, for a drafter
-        that computes the base of a whole block once and draws its slots one by one."""
-        return base + self.markov_head(self.markov_row(prev.to(base.device))).to(base.dtype)
+        return out + self.markov_head(self.markov_row(prev.to(out.device))).to(out.dtype)
 
     def markov_row(self, ids: torch.Tensor) -> torch.Tensor:
         """The Markov table's row of each target id: the id itself (markov_rows target); with markov_rows draft,
@@ -241,18 +269,25 @@ class DFlashHead(nn.Module):
         """[anchor, mask x (B-1)] embedded by the target, per anchor token id: [*anchors.shape, B, H]; with
         head.anchor_feature, each slot's anchor_proj([its embedding, before]) instead, before [*anchors.shape, H]
         the context feature (`context`) at the position before each anchor, which must then be given."""
-        ids = torch.full((*anchors.shape, self.block_size), self.mask_token_id, dtype=torch.long,
-                         device=anchors.device)
-        ids[..., 0] = anchors
         dev = next(target.embed.parameters()).device
-        with torch.no_grad():
-            emb = target.embed(ids.to(dev)).to(self.fc.weight.device)
         if self.anchor_proj is None:
-            return emb
+            ids = torch.full((*anchors.shape, self.block_size), self.mask_token_id, dtype=torch.long,
+                             device=anchors.device)
+            ids[..., 0] = anchors
+            with torch.no_grad():
+                return target.embed(ids.to(dev)).to(self.fc.weight.device)
         if before is None:
             raise ValueError("DFlash head with head.anchor_feature: block_embeddings() needs the anchors' context")
-        emb = emb.to(self.fc.weight.dtype)
-        return self.anchor_proj(torch.cat([emb, before.to(emb.dtype)[..., None, :].expand(emb.shape)], dim=-1))
+        # anchor_proj([e, c]) = W_e e + W_c c, each term computed once: W_c c once per block (every slot has the
+        # same c), W_e e once per anchor and once for the mask token (every mask slot is alike): a third of the
+        # concatenated projection's rows, the same function
+        with torch.no_grad():
+            emb = target.embed(torch.cat([anchors.reshape(-1), anchors.new_tensor([self.mask_token_id])]).to(dev))
+        w_e, w_c = self.anchor_proj.weight.split(emb.shape[-1], dim=1)
+        e = F.linear(emb.to(w_e), w_e)
+        slots = torch.cat([e[:-1].reshape(*anchors.shape, 1, -1),
+                           e[-1].expand(*anchors.shape, self.block_size - 1, e.shape[-1])], dim=-2)
+        return slots + F.linear(before.to(w_c), w_c)[..., None, :]
 
 
 def _init(module: nn.Module, std: float) -> None:
@@ -262,6 +297,9 @@ def _init(module: nn.Module, std: float) -> None:
     markov = getattr(module, "markov_head", None)
     if markov is not None:  # the bias starts at zero: training starts from plain DFlash's logits
         nn.init.zeros_(markov.markov_w2.weight)
+    refine = getattr(module, "prev_mlp", None)
+    if refine is not None:  # the refinement starts at zero: training starts from the state itself
+        nn.init.zeros_(refine.down.weight)
 
 
 def build(cfg: HeadConfig, target: TargetIO) -> DFlashHead:
