@@ -142,14 +142,16 @@ class DFlashDrafter:
         drew before it (the anchor for the first), every request's slot in one call. A request's draws are the
         ones its own draft makes."""
         head, target = drafters[0].head, drafters[0].target
+        # the LM head of every slot in one product, unless a slot's state depends on the token drawn before it
+        base = head.base_logits(h) if head.prev_mlp is None else None
         if not head.sequential:
-            base = head.logits(h).float()
-            return [d._draw(base[r, :m], temperature) for r, (d, m) in enumerate(zip(drafters, ms))]
+            return [d._draw(base[r, :m].float(), temperature) for r, (d, m) in enumerate(zip(drafters, ms))]
         ids: list[list[torch.Tensor]] = [[] for _ in drafters]
         probs: list[list[torch.Tensor]] = [[] for _ in drafters]
         prev = torch.tensor([d.anchor for d in drafters], device=drafters[0].device)
         for i in range(max(ms)):
-            logits = head.logits(h[:, i], prev, target).float()  # [requests, DV]
+            out = base[:, i] if base is not None else head.base_logits(head.refine(h[:, i], prev, target))
+            logits = head.add_markov_bias(out, prev).float()  # [requests, DV]
             for r, (d, m) in enumerate(zip(drafters, ms)):
                 if i < m:  # past its length a request draws no more (its generator: as many draws as its own draft)
                     tree = d._draw(logits[r : r + 1], temperature)

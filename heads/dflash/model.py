@@ -28,7 +28,8 @@ attention (one block) is SDPA with grouped KV heads (enable_gqa), training's (ma
         block_embeddings(anchors, target, before=None) -> emb       [anchor, mask x (B-1)] (or anchor_proj([., before]))
         block_states(emb, positions, ctx_kv, ctx_mask, target) -> h    the blocks through every layer
         logits(h, prev=None, target=None)                          over the draft vocab (prev_mlp's refinement by
-                                                                   prev's embedding, + Markov bias of prev)
+                                                                   prev's embedding, + Markov bias of prev):
+            add_markov_bias(base_logits(refine(h, prev, target)), prev)
     block_attention(q, ctx, kb, vb, ctx_mask, block_size)   training's attention (context + each block's square)
 
 Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py`.
@@ -241,19 +242,30 @@ class DFlashHead(nn.Module):
         target's embedding of prev [...] (the target id of the token before each drafted one) first; with a
         Markov head, plus its bias of prev. A sequential head (`sequential`) needs prev, and prev_mlp the target."""
         if not self.sequential:
-            return self.lm_head(self.norm(h))
+            return self.base_logits(h)
         if prev is None:
             raise ValueError("DFlash head with a Markov head or prev_mlp: logits() needs the previous tokens")
-        if self.prev_mlp is not None:
-            if target is None:
-                raise ValueError("DFlash head with head.prev_mlp: logits() needs the target (its embeddings)")
-            with torch.no_grad():
-                emb = target.embed(prev.to(next(target.embed.parameters()).device)).to(h.device)
-            h = self.prev_mlp(h, emb)
-        out = self.lm_head(self.norm(h))
+        return self.add_markov_bias(self.base_logits(self.refine(h, prev, target)), prev)
+
+    def refine(self, h: torch.Tensor, prev: torch.Tensor, target: TargetIO | None) -> torch.Tensor:
+        """States h [..., H] refined by the target's embedding of prev [...] (head.prev_mlp); h itself without."""
+        if self.prev_mlp is None:
+            return h
+        if target is None:
+            raise ValueError("DFlash head with head.prev_mlp: logits() needs the target (its embeddings)")
+        with torch.no_grad():
+            emb = target.embed(prev.to(next(target.embed.parameters()).device)).to(h.device)
+        return self.prev_mlp(h, emb)
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of states h [..., H] before any Markov bias: lm_head(norm(h))."""
+        return self.lm_head(self.norm(h))
+
+    def add_markov_bias(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Logits base [..., DV] plus the Markov head's bias of prev [...] (base itself without a Markov head)."""
         if self.markov_head is None:
-            return out
-        return out + self.markov_head(self.markov_row(prev.to(out.device))).to(out.dtype)
+            return base
+        return base + self.markov_head(self.markov_row(prev.to(base.device))).to(base.dtype)
 
     def markov_row(self, ids: torch.Tensor) -> torch.Tensor:
         """The Markov table's row of each target id: the id itself (markov_rows target); with markov_rows draft,
