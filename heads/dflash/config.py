@@ -55,6 +55,10 @@ class DFlashConfig(HeadConfig):
     # the one it drafts)]))), an MLP of this width over the target's (frozen, shared) embedding of that token, run
     # slot by slot after the one block pass as the Markov bias is; 0 = none. No engine layout serves it.
     prev_mlp: int = 0
+    # Train the draft-vocab LM head (initialised from the target's rows, as EAGLE-3's is, which trains it); false =
+    # frozen at the target's rows, as DFlash's and DSpark's recipes share the target's. Either way the export
+    # carries the rows drafted with, which the engines load as the drafter's own (its vocab is not the target's).
+    train_lm_head: bool = False
 
 
 def feature_layers(cfg: HeadConfig, target_config: Any) -> list[int]:

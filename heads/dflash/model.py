@@ -8,7 +8,7 @@ names theirs; the equations in heads/dflash/__init__.py's docstring):
                  K/V of the block     k_norm(k_proj_l(x_i)), v_proj_l(x_i), x = input_layernorm(h)
                  queries              q_norm(q_proj_l(x_i)) (per-head RMSNorm, then RoPE)
     h <- h + o_proj(attn(q; context keys, block keys));  h <- h + mlp(post_attention_layernorm(h))
-    logits = lm_head(norm(h))         lm_head: the target's rows of the draft vocab, frozen
+    logits = lm_head(norm(h))         lm_head: the target's rows of the draft vocab (trained: head.train_lm_head)
              (+ markov_head.markov_w2(markov_w1[the token before the drafted one]) with head.markov_rank:
              DSpark's transition bias, vLLM `qwen3_dspark.py`)
              (with head.prev_mlp, h first <- h + prev_mlp.down(silu(prev_mlp.up([prev_mlp.norm(h),
@@ -171,7 +171,8 @@ class PrevTokenMLP(nn.Module):
 
 
 class DFlashHead(nn.Module):
-    """fc, hidden_norm, layers.{l}, norm, lm_head (frozen target rows) and the draft vocab maps d2t / t2d."""
+    """fc, hidden_norm, layers.{l}, norm, lm_head (the target's rows, trained with head.train_lm_head) and the
+    draft vocab maps d2t / t2d."""
 
     family = "dflash"
     # The draft-vocab maps are EAGLE-3's (same d2t/t2d convention): target id = draft id + d2t[draft id].
@@ -203,9 +204,9 @@ class DFlashHead(nn.Module):
         # Hydra's refinement by the previous token: held-out tau_sim 1.629 against 1.607 at the same 340 steps, the
         # later slots +0.02-0.03 (docs/experiments.md)
         self.prev_mlp = PrevTokenMLP(h, cfg.prev_mlp, eps) if cfg.prev_mlp else None
-        # The target's LM head restricted to the draft vocab (`prepare` copies the rows): frozen, as the
-        # engines and speculators share it; stored so that an export carries exactly the rows drafted with.
-        self.lm_head = nn.Linear(h, draft_vocab, bias=False).requires_grad_(False)
+        # The target's LM head restricted to the draft vocab (`prepare` copies the rows): frozen unless
+        # head.train_lm_head; stored so that an export carries exactly the rows drafted with.
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False).requires_grad_(cfg.train_lm_head)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[:draft_vocab] = True
@@ -326,8 +327,8 @@ def build(cfg: HeadConfig, target: TargetIO) -> DFlashHead:
 
 def prepare(cfg: HeadConfig, dataset: Any, target: TargetIO) -> dict[str, torch.Tensor]:
     """The data-derived head tensors: EAGLE-3's draft vocabulary (`d2t`/`t2d`, the most frequent loss-masked
-    training tokens), `lm_head.weight` = the target's lm_head rows of those ids (frozen from then on) and
-    `norm.weight` = the target's final-norm scale (trainable)."""
+    training tokens), `lm_head.weight` = the target's lm_head rows of those ids (frozen from then on, unless
+    head.train_lm_head) and `norm.weight` = the target's final-norm scale (trainable)."""
     n = resolved_draft_vocab(cfg, target.vocab_size)
     d2t, t2d = draft_vocab_from_counts(token_counts(dataset, target.vocab_size), n)
     out = {"d2t": d2t, "t2d": t2d}
