@@ -405,6 +405,15 @@ MUTANTS: list[Mutant] = [
     Mutant("dflash_markov_chain_fed_a_stale_token", "heads/dflash/drafting.py",
            "                    prev[r] = tree.tokens[0]\n", "",
            ("tests/test_dflash.py", "-k", "sequential_chain")),
+    # a trained draft-vocab LM head (head.train_lm_head) must be exported as trained, and trained at all
+    Mutant("dflash_export_writes_the_targets_lm_head_rows", "convert/dflash.py",
+           "    state = head_state(head)\n    # the layout's table",
+           "    state = head_state(head) | {\"lm_head.weight\": target.lm_head.weight.detach()[head.draft_ids()].cpu()}\n"
+           "    # the layout's table",
+           ("tests/test_dflash.py", "-k", "round_trip_is_identical or reference_forward_on_the_exported")),
+    Mutant("dflash_lm_head_never_trains", "heads/dflash/model.py",
+           "requires_grad_(cfg.train_lm_head)", "requires_grad_(False)",
+           ("tests/test_dflash.py", "-k", "overfit or prepare_takes")),
     Mutant("dflash_settle_at_the_first_requests_positions", "heads/dflash/drafting.py",
            "pos = torch.cat([torch.arange(d.n, d.n + m) for d, m in zip(rows, lens)])",
            "pos = torch.cat([torch.arange(first.n, first.n + m) for d, m in zip(rows, lens)])",

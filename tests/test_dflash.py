@@ -12,7 +12,7 @@ Planted bugs each fail here (scripts/check_mutants.py, `dflash_*`): a causal mas
 `context_mask`), labels shifted by one, the anchor's slot never drafting under sample_from_anchor, the Markov
 bias reading the predicted token instead of the one before it, the drafter's chain biased by a stale token,
 a block drafted together seeing another request's padded context, held commits projected at another request's
-positions.
+positions, an export writing the target's LM head rows in place of the trained ones, head.train_lm_head ignored.
 
     .venv/bin/python -m pytest -q tests/test_dflash.py
 """
@@ -120,7 +120,8 @@ def reference_block_logits(sd: dict, layer: dict, aux: torch.Tensor, embed: torc
 # The layouts under test: DFlash's fill-in block; DSpark's (the anchor's slot drafts too); with its Markov
 # head; that with a compact Markov table and the anchor's context feature in the slot inputs
 # (head.markov_rows draft, head.anchor_feature: no engine layout); and the anchor feature with Hydra's
-# refinement by the previous token (head.prev_mlp: no engine layout) in place of the Markov head.
+# refinement by the previous token (head.prev_mlp: no engine layout) in place of the Markov head. dspark_lm and
+# hydra train the draft-vocab LM head (head.train_lm_head), so `_head` moves it off the target's rows too.
 VARIANTS = {"dflash": {}, "from_anchor": {"sample_from_anchor": True},
             "dspark": {"sample_from_anchor": True, "markov_rank": 8},
             "dspark_lm": {"sample_from_anchor": True, "markov_rank": 8, "train_lm_head": True},
