@@ -150,8 +150,9 @@ class DFlashDrafter:
         probs: list[list[torch.Tensor]] = [[] for _ in drafters]
         prev = torch.tensor([d.anchor for d in drafters], device=drafters[0].device)
         for i in range(max(ms)):
-            out = base[:, i] if base is not None else head.base_logits(head.refine(h[:, i], prev, target))
-            logits = head.add_markov_bias(out, prev).float()  # [requests, DV]
+            # [requests, DV]: the slot's precomputed LM head plus its Markov bias, or with prev_mlp logits() whole
+            logits = (head.add_markov_bias(base[:, i], prev) if base is not None
+                      else head.logits(h[:, i], prev, target)).float()
             for r, (d, m) in enumerate(zip(drafters, ms)):
                 if i < m:  # past its length a request draws no more (its generator: as many draws as its own draft)
                     tree = d._draw(logits[r : r + 1], temperature)
