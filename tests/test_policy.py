@@ -277,8 +277,8 @@ def test_drafting_priced_at_what_it_was_seen_to_cost():
     its own price."""
     verify = VerifyCost({1: 0.040, 2: 0.042, 3: 0.044}, context_len=64)
     pol = AdaptivePolicy(verify, {"head": DraftCost(0.001, 0.0), "ngram": DraftCost(0.0001, 0.0)},
-                         {"head": [0.3], "ngram": [0.0]}, k_max=2, probe_every=1000)
-    pol.reset(0)
+                         {"head": [0.3], "ngram": [0.0]}, k_max=2, probe_every=1000, explore_z=0.0)
+    pol.reset(0)  # no exploration: nothing is observed here, so the estimate would stay as uncertain as the prior
     d = type("Head", (), {"SOURCES": ("head", "ngram")})()
     assert pol.choose(d, 2)["head"] > 0  # 1.3 tokens for 1.1 passes' time: drafts
     for _ in range(8):  # acceptance stays the prior's (nothing observed): only the price changes
@@ -588,6 +588,41 @@ def test_policy_stops_drafting_when_its_timed_passes_are_slow():
     assert first.choose(NgramDrafter(), 10)["draft"] == 0
 
 
+def test_two_chance_rejections_do_not_turn_a_useful_head_off():
+    """Mutant no_exploration: the quickstart's block drafter on gsm8k (prior 0.27 at depth 1; a one-token draft
+    costs 9% of a pass; T(2) = 1.01 T(1); the eval's 5% margin) had its first two drafts rejected: the estimate
+    fell to 0.14, below the price of a draft, and its re-probes kept it plain for a 120-pass answer on which it
+    went on to accept 0.46 of its first tokens. While the estimate is that uncertain a one-token draft is tried;
+    a head rejected every time stops within a dozen passes and then only re-probes."""
+    from eval.turns import SINGLE_STREAM_MARGIN
+
+    verify = VerifyCost({1: 0.0355, 2: 0.0360, 3: 0.0380}, 64)
+    cost = {"draft": DraftCost(0.0023, 0.0009)}  # the quickstart block drafter's calibration (eval report)
+
+    def policy(z: float) -> AdaptivePolicy:
+        pol = AdaptivePolicy(verify, cost, {"draft": [0.27, 0.35]}, margin=SINGLE_STREAM_MARGIN, explore_z=z)
+        pol.reset(0)
+        return pol
+
+    miss = DraftTree.chain(torch.tensor([1]))
+    for z, drafts in ((1.0, 1), (0.0, 0)):
+        pol = policy(z)
+        assert pol.choose(object(), 8)["draft"] >= 1
+        pol.observe(miss, [])
+        pol.observe(miss, [])
+        assert pol.rates("draft")[0] < 0.15
+        assert pol.choose(object(), 8)["draft"] == drafts
+    useless = policy(1.0)
+    picks = []
+    for _ in range(100):
+        picks.append(useless.choose(object(), 8)["draft"])
+        if picks[-1]:
+            useless.observe(DraftTree.chain(torch.arange(picks[-1])), [])
+    assert sum(map(bool, picks[:12])) >= 6 and sum(map(bool, picks[12:])) <= 6  # explores, then re-probes only
+    with pytest.raises(ValueError, match="explore_z"):
+        AdaptivePolicy(verify, cost, {"draft": [0.5]}, explore_z=-1.0)
+
+
 def test_margin_turns_down_drafts_predicted_barely_faster():
     """With a margin, a draft predicted 3% faster than plain is not taken and one predicted 10% faster is; the
     eval's single-stream policies use eval.turns.SINGLE_STREAM_MARGIN (5%)."""
@@ -597,7 +632,7 @@ def test_margin_turns_down_drafts_predicted_barely_faster():
 
     def choice(acceptance: float, margin: float) -> int:
         pol = AdaptivePolicy(flat, {"draft": DraftCost(0.0, 0.0)}, {"draft": [acceptance] + [0.0] * 7},
-                             margin=margin)
+                             margin=margin, explore_z=0.0)  # the estimate's price alone (no exploration)
         pol.reset(0)
         return pol.choose(object(), 8)["draft"]  # a drafter without a known proposal (a head)
 
