@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +42,8 @@ from eval.drafters import DeferredSync, HybridDrafter, ModelDrafter, NgramDrafte
 from eval.policy import AdaptivePolicy, LearnedVerifyCost, isotonic, measured_prior
 from heads import eagle, medusa, mtp
 from heads.base import DraftTree
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # A CPU-like verify curve (ms): drafting pays only for well-accepted drafts.
 VERIFY = VerifyCost({1: 0.057, 2: 0.075, 4: 0.11, 8: 0.125, 16: 0.2}, context_len=64)
@@ -640,3 +643,24 @@ def test_margin_turns_down_drafts_predicted_barely_faster():
     assert choice(0.10, SINGLE_STREAM_MARGIN) == 1
     with pytest.raises(ValueError, match="margin"):
         AdaptivePolicy(flat, {"draft": DraftCost(0.0, 0.0)}, {"draft": [0.5]}, margin=0.9)
+
+
+def test_bench_policy_prices_exploration_both_ways(tmp_path, capsys):
+    """scripts/bench_policy.py's simulation: at the quickstart's costs, exploring gains where a head is useful
+    (first-token acceptance 0.45) and costs under 1% where nothing is accepted; its table and JSON agree."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_policy", ROOT / "scripts" / "bench_policy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "policy.json"
+    bench.main(["--alphas", "0,0.45", "--requests", "40", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["1"]["0.45"]["speedup"] > res["0"]["0.45"]["speedup"] + 0.02
+    assert res["1"]["0.45"]["drafted"] > res["0"]["0.45"]["drafted"]
+    assert res["0"]["0"]["speedup"] - 0.01 < res["1"]["0"]["speedup"] < 1.0
+    assert f'{res["1"]["0.45"]["speedup"]:.3f}x' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--draft-ms", "1"])
+    assert e.value.code == 2
