@@ -25,7 +25,8 @@ and the lengths l (each 0..k_max, the n-gram's capped by the match it actually h
 E(l) * T(1) / time(l) are drafted; all zero is a plain pass (T(1), E = 1), unless a one-token draft would pay at
 an optimistic first-depth rate, a_s(1) plus `explore_z` standard deviations of its Beta posterior (pseudo-count
 the decayed judgments plus w): then that one token is drafted (`explore`), so a few chance rejections early in a
-request cannot turn a useful proposer off, while one rejected every time stops within a dozen passes. A proposer left at 0 for
+request cannot turn a useful head off, while one rejected every time stops within a dozen passes (a proposal known
+before drafting, the n-gram's match, is not explored: see the re-probes below). A proposer left at 0 for
 `probe_every` passes in a row is given depth 1 once (a cheap re-probe: one extra verified token; a proposal
 known before drafting, the n-gram's match, is probed whole: it costs nothing to draft and its worth is in its
 deep positions, which one token would never measure), so a
@@ -309,10 +310,13 @@ class AdaptivePolicy:
         n = (self.judged[key][0] if key in self.judged else 0.0) + self.weight
         return min(1.0, m + self.explore_z * math.sqrt(m * (1.0 - m) / (n + 1.0)))
 
-    def explore(self, sources: Sequence[str], limit: Mapping[str, int]) -> dict[str, int]:
-        """The lengths of a pass the estimates priced plain: one token of the proposer whose one-token draft is
-        predicted fastest at its optimistic first-depth rate (`optimistic_first_rate`), if that beats plain by
-        `margin`; else plain (the re-probes then take over: `choose`).
+    def explore(self, sources: Sequence[str], limit: Mapping[str, int], candidates: Sequence[str]) -> dict[str, int]:
+        """The lengths of a pass the estimates priced plain: one token of the proposer among `candidates` whose
+        one-token draft is predicted fastest at its optimistic first-depth rate (`optimistic_first_rate`), if that
+        beats plain by `margin`; else plain (the re-probes then take over: `choose`). `choose` makes the candidates
+        the proposers whose proposal is not known before drafting (heads): a known one (the n-gram's match) is
+        worth its deep positions, which one token never measures, so it keeps its whole-match re-probes (one-token
+        explorations of the hybrid's n-gram cost the quickstart's hybrid 0.04-0.05x on mt_bench and humaneval).
 
         Why: the estimates are counts of a few dozen judgments. Two chance rejections early in a request pulled a
         head that goes on to accept 0.4 of its first tokens below the price of a draft, and the one-token
@@ -322,7 +326,7 @@ class AdaptivePolicy:
         (tests/test_policy.py). Simulated 128-token requests at the quickstart's costs: 0.4-0.6% slower where
         nothing is accepted, 4-7% faster at a first-token acceptance of 0.2-0.45 (docs/results.md)."""
         t1, best, pick = self._verify(1), self.margin, None
-        for s in sources:
+        for s in candidates:
             if limit[s]:
                 nodes = self._nodes(s, 1)
                 speed = speedup(1.0 + self.optimistic_first_rate(s),
@@ -336,10 +340,12 @@ class AdaptivePolicy:
         if set(sources) != set(self.prior):
             raise ValueError(f"AdaptivePolicy: the drafter's proposers {sources} are not the policy's {sorted(self.prior)}")
         cap = max(min(budget, self.k_max), 0)
-        limit, probe = {}, {}
+        limit, probe, unknown = {}, {}, []
         for s in sources:
             known = drafter.proposal(s, cap) if hasattr(drafter, "proposal") else None
             limit[s] = cap if known is None else min(known, cap)
+            if known is None:
+                unknown.append(s)
             self.key[s] = drafter.proposal_key(s) if hasattr(drafter, "proposal_key") else s
             self.keys[s].add(self.key[s])
             # A proposal known before drafting (the n-gram's match) costs nothing to draft and its worth is in
@@ -351,7 +357,7 @@ class AdaptivePolicy:
         else:
             choice = self.best_lengths(sources, limit)
             if not any(choice.values()):
-                choice = self.explore(sources, limit)
+                choice = self.explore(sources, limit, unknown)
         for s in sources:
             if choice[s]:  # drafting on its own merits: probing starts over
                 self.idle[s], self.gap[s] = 0, self.probe_every

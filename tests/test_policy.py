@@ -626,6 +626,24 @@ def test_two_chance_rejections_do_not_turn_a_useful_head_off():
         AdaptivePolicy(verify, cost, {"draft": [0.5]}, explore_z=-1.0)
 
 
+def test_a_known_proposal_is_not_explored_one_token():
+    """Mutant ngram_explored_one_token: a proposal known before drafting (the n-gram's match) is worth its deep
+    positions, so a pass priced plain explores only proposers that guess (heads); one-token explorations of the
+    hybrid's n-gram cost the quickstart's hybrid 0.04-0.05x on mt_bench and humaneval."""
+    flat = VerifyCost({1: 0.05, 2: 0.05, 4: 0.05, 8: 0.05}, 64)
+
+    class Proposals:
+        SOURCES = ("ngram", "head")
+
+        def proposal(self, source, k):
+            return min(5, k) if source == "ngram" else None
+
+    pol = AdaptivePolicy(flat, {s: DraftCost(0.0, 0.0) for s in ("ngram", "head")},
+                         {"ngram": [0.02] * 4, "head": [0.02] * 4}, margin=1.05, probe_every=1000)
+    pol.reset(0)
+    assert pol.choose(Proposals(), 8) == {"ngram": 0, "head": 1}  # 1.02 tokens a pass priced plain; 1.10 at best
+
+
 def test_margin_turns_down_drafts_predicted_barely_faster():
     """With a margin, a draft predicted 3% faster than plain is not taken and one predicted 10% faster is; the
     eval's single-stream policies use eval.turns.SINGLE_STREAM_MARGIN (5%)."""
