@@ -419,7 +419,7 @@ MUTANTS: list[Mutant] = [
            "pos = torch.cat([torch.arange(first.n, first.n + m) for d, m in zip(rows, lens)])",
            ("tests/test_dflash.py", "-k", "settling_together")),
     Mutant("no_exploration", "eval/policy.py",
-           "            if not any(choice.values()):\n                choice = self.explore(sources, limit)\n", "",
+           "            if not any(choice.values()):\n                choice = self.explore(sources, limit, unknown)\n", "",
            ("tests/test_policy.py", "-k", "chance_rejections")),
     Mutant("ngram_explored_one_token", "eval/policy.py",
            "choice = self.explore(sources, limit, unknown)", "choice = self.explore(sources, limit, sources)",
