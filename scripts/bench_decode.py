@@ -235,15 +235,15 @@ def block_pass_vs_step(model, io, prompt: torch.Tensor, reps: int = 30, draft_dt
     # feature rows: the pass's root and that token). What the policy prices a pass at; EAGLE-3's first token is
     # nearly free to draft because its commit computed the logits, the block drafter runs its block for any k.
     n = prompt.shape[1]
+    last, nxt = feats.slice(n - 2, n), int(prompt[0, n - 1])
     for name, head, make in (("eagle3", e3, eagle.drafter), ("shipped_dflash", ds, dflash.drafter)):
         for k in (1, 3):
             d = make(head, io)
             d.begin(prompt[:, : n - 2], feats.slice(0, n - 2), int(prompt[0, n - 2]))
-            last = feats.slice(n - 2, n)
 
-            def drafting_pass(d=d, k=k, last=last) -> None:
+            def drafting_pass(d=d, k=k) -> None:
                 d.draft(k, 0.0)
-                d.commit([0], last, int(prompt[0, n - 1]))  # the context grows by 2 a call, as in decoding
+                d.commit([0], last, nxt)  # the context grows by 2 a call, as in decoding
             row[f"{name}_pass_k{k}_ms"] = round(median_s(drafting_pass) * 1e3, 3)
     return row
 
