@@ -177,12 +177,18 @@ _PREV_MLP = ("head.prev_mlp: neither vLLM's DFlash nor its DSpark speculator ref
              "token's embedding; this head has no engine layout (it drafts in our decoder)")
 
 
+_PLAIN_FIRST = ("head.plain_first_slot: vLLM's DSpark speculator adds the Markov bias to every drafting slot, the "
+                "first included; this head has no engine layout (it drafts in our decoder)")
+
+
 def _ours_only(head_config: dict) -> str:
     """Why no engine layout holds this head ("" when one may): options only our decoder drafts with."""
     if head_config.get("anchor_feature"):
         return _ANCHOR_FEATURE
     if head_config.get("prev_mlp"):
         return _PREV_MLP
+    if head_config.get("plain_first_slot") and head_config.get("markov_rank"):
+        return _PLAIN_FIRST
     return ""
 
 

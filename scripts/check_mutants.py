@@ -405,6 +405,13 @@ MUTANTS: list[Mutant] = [
     Mutant("dflash_markov_chain_fed_a_stale_token", "heads/dflash/drafting.py",
            "                    prev[r] = tree.tokens[0]\n", "",
            ("tests/test_dflash.py", "-k", "sequential_chain")),
+    # head.plain_first_slot: the first drafting slot's logits are its LM head's alone, in training and drafting alike
+    Mutant("dflash_plain_first_slot_drafted_sequential", "heads/dflash/drafting.py",
+           "            if head.plain(head.first_slot + i):\n", "            if False:\n",
+           ("tests/test_dflash.py", "-k", "sequential_chain and shipped")),
+    Mutant("dflash_plain_first_slot_trained_sequential", "heads/dflash/model.py",
+           "        plain = [self.plain(s) for s in slots]\n", "        plain = [False for s in slots]\n",
+           ("tests/test_dflash.py", "-k", "direct_computation and shipped")),
     # a trained draft-vocab LM head (head.train_lm_head) must be exported as trained, and trained at all
     Mutant("dflash_export_writes_the_targets_lm_head_rows", "convert/dflash.py",
            "    state = head_state(head)\n    # the layout's table",

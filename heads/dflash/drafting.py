@@ -121,7 +121,9 @@ class DFlashDrafter:
     def block_logits(self, prev: torch.Tensor | None = None) -> torch.Tensor:
         """Draft-vocab logits [drafting slots, DV] of the current block; prev [drafting slots]: the target ids
         before each drafted token, needed (only) by a sequential head (a Markov head, head.prev_mlp)."""
-        return self.head.logits(self.block_states(), prev, self.target).float()
+        head = self.head
+        return head.slot_logits(self.block_states(), prev, self.target,
+                                list(range(head.first_slot, head.block_size))).float()
 
     @torch.no_grad()
     def draft(self, k: int, temperature: float) -> DraftTree:
@@ -150,9 +152,13 @@ class DFlashDrafter:
         probs: list[list[torch.Tensor]] = [[] for _ in drafters]
         prev = torch.tensor([d.anchor for d in drafters], device=drafters[0].device)
         for i in range(max(ms)):
-            # [requests, DV]: the slot's precomputed LM head plus its Markov bias, or with prev_mlp logits() whole
-            logits = (head.add_markov_bias(base[:, i], prev) if base is not None
-                      else head.logits(h[:, i], prev, target)).float()
+            # [requests, DV]: the slot's precomputed LM head plus its Markov bias, or with prev_mlp logits() whole;
+            # a plain slot (head.plain_first_slot) its LM head alone, the sequential stage not run at all
+            if head.plain(head.first_slot + i):
+                logits = (base[:, i] if base is not None else head.base_logits(h[:, i])).float()
+            else:
+                logits = (head.add_markov_bias(base[:, i], prev) if base is not None
+                          else head.logits(h[:, i], prev, target)).float()
             for r, (d, m) in enumerate(zip(drafters, ms)):
                 if i < m:  # past its length a request draws no more (its generator: as many draws as its own draft)
                     tree = d._draw(logits[r : r + 1], temperature)

@@ -95,7 +95,7 @@ def block_logits(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch
     slots, labels = block_alignment(anchors, bs, head.first_slot)
     h = head.block_states(emb, slots.reshape(b, n * bs), ctx_kv, context_mask(anchors, bs, t), target)
     prev = ids.gather(1, labels.clamp(0, t - 1).reshape(b, -1)) if head.sequential else None
-    return head.logits(h, prev, target).float().reshape(b, n, bs, -1)
+    return head.slot_logits(h, prev, target, list(range(bs)) * n).float().reshape(b, n, bs, -1)
 
 
 def block_loss(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch.Tensor, valid: torch.Tensor,

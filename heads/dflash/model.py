@@ -196,6 +196,7 @@ class DFlashHead(nn.Module):
         self.layers = nn.ModuleList([DFlashLayer(config, inter) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(h, eps)
         self.markov_rows = cfg.markov_rows
+        self.plain_first_slot = cfg.plain_first_slot
         rows = draft_vocab + 1 if cfg.markov_rows == "draft" else vocab
         self.markov_head = MarkovHead(rows, draft_vocab, cfg.markov_rank) if cfg.markov_rank else None
         # [slot embedding, c_{a-1}] -> H, EAGLE-3's fc of its [embedding, feature]: held-out tau_sim 1.607 against
@@ -247,6 +248,28 @@ class DFlashHead(nn.Module):
         if prev is None:
             raise ValueError("DFlash head with a Markov head or prev_mlp: logits() needs the previous tokens")
         return self.add_markov_bias(self.base_logits(self.refine(h, prev, target)), prev)
+
+    def plain(self, slot: int) -> bool:
+        """Whether block slot `slot`'s logits are base_logits alone although the head is sequential: the first
+        drafting slot with head.plain_first_slot (training and drafting both ask this)."""
+        return self.plain_first_slot and slot == self.first_slot
+
+    def slot_logits(self, h: torch.Tensor, prev: torch.Tensor | None, target: TargetIO | None,
+                    slots: list[int]) -> torch.Tensor:
+        """Logits [..., S, DV] of block slots `slots` (block indices, one per row of dim -2) with states h
+        [..., S, H] and prev [..., S] (`logits`'s), each slot's as `plain` says: training's blocks and the
+        drafter's block_logits. A plain slot's state skips the refinement and its logits the Markov bias; one
+        LM head product serves every slot (training's blocks: no second product for the plain ones)."""
+        plain = [self.plain(s) for s in slots]
+        if all(plain) or not self.sequential:
+            return self.base_logits(h)
+        if not any(plain):
+            return self.logits(h, prev, target)
+        keep = torch.tensor(plain, device=h.device)[:, None]
+        if prev is None:
+            raise ValueError("DFlash head with a Markov head or prev_mlp: slot_logits() needs the previous tokens")
+        out = self.base_logits(torch.where(keep, h, self.refine(h, prev, target)))
+        return torch.where(keep, out, self.add_markov_bias(out, prev))
 
     def refine(self, h: torch.Tensor, prev: torch.Tensor, target: TargetIO | None) -> torch.Tensor:
         """States h [..., H] refined by the target's embedding of prev [...] (head.prev_mlp); h itself without."""
