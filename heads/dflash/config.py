@@ -61,7 +61,7 @@ class DFlashConfig(HeadConfig):
     train_lm_head: bool = False
     # The first drafting slot skips the sequential stage (the Markov bias and head.prev_mlp): its logits are
     # lm_head(norm(h)) alone. The token before it is the anchor, which its input already holds, and in our decoder
-    # the stage cost that slot about a third of a one-token drafting pass, where the policy drafts one token on
+    # the stage cost that slot about a fifth of a one-token drafting pass, where the policy drafts one token on
     # most passes; held out it is level (docs/results.md). No engine layout serves it (DSpark biases every slot).
     plain_first_slot: bool = False
 
