@@ -30,6 +30,7 @@ This project's options (no engine layout):
                          the Markov head's (Hydra's sequentially-dependent heads, arXiv 2402.05109): each slot's
                          state reads the token drawn before it; drawn left to right as the Markov head's
     plain_first_slot     the first drafting slot's logits skip both (the Markov bias, prev_mlp): lm_head(norm(h))
+                         alone; the token before it is the anchor, already in its input
 Training (heads/dflash/losses.py): anchors a sampled per sequence; slot k of the block at a sees features
 < a and its own block, predicts x_{a+k} against the target's distribution at a+k-1 with weight
 exp(-(k-1)/gamma), loss_mask[a+k] and t2d[target argmax] as masks (speculators' recipe).

@@ -13,6 +13,7 @@ names theirs; the equations in heads/dflash/__init__.py's docstring):
              DSpark's transition bias, vLLM `qwen3_dspark.py`)
              (with head.prev_mlp, h first <- h + prev_mlp.down(silu(prev_mlp.up([prev_mlp.norm(h),
              prev_mlp.emb_norm(embed(the token before the drafted one))]))): Hydra's sequential dependence)
+    with head.plain_first_slot, the first drafting slot's logits are lm_head(norm(h)) alone (no refinement, no bias)
     with head.anchor_feature, every slot's input is anchor_proj([its embedding, c_{a-1}]) (c at the position
              before the anchor; EAGLE-3's fc of its first step's [embedding, feature]): served by no engine's
              DFlash/DSpark layout
@@ -30,6 +31,8 @@ attention (one block) is SDPA with grouped KV heads (enable_gqa), training's (ma
         logits(h, prev=None, target=None)                          over the draft vocab (prev_mlp's refinement by
                                                                    prev's embedding, + Markov bias of prev):
             add_markov_bias(base_logits(refine(h, prev, target)), prev)
+        slot_logits(h, prev, target, slots)                        each block slot's: `logits`, or base_logits alone
+                                                                   for a plain one (head.plain_first_slot)
     block_attention(q, ctx, kb, vb, ctx_mask, block_size)   training's attention (context + each block's square)
 
 Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py`.
