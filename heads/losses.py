@@ -4,6 +4,7 @@
     check_token_loss     refuse a loss_tv_weight outside [0, 1] (a family's build calls it)
     token_loss           against a soft label p [..., V] (EAGLE-1/3, Medusa with distill)
     hard_token_loss      against a token label (Medusa without distill, MTP): p is one-hot, so TV is 1 - q_gold
+    chain_metrics        held-out `chain/s`: the share of start positions whose drafts at steps 0..s all hit
 
 TV is the LK losses' acceptance objective: 0.5 * sum_v |p_v - q_v| = 1 - sum_v min(p_v, q_v), one minus the
 rate at which exact verification accepts a draft sampled from q when the target samples from p. With a
@@ -13,6 +14,7 @@ tests/test_losses.py`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -81,3 +83,23 @@ def hard_token_loss(logits: torch.Tensor, gold: torch.Tensor, kind: str = "forwa
 def _forward_kl(logits: torch.Tensor, p: torch.Tensor, mask: torch.Tensor, denom: float) -> torch.Tensor:
     # the expression as it always was: the default loss's floating-point operations, in the same order
     return -(mask * (p * logits.log_softmax(-1)).sum(-1)).sum() / denom
+
+
+def chain_metrics(hits: Sequence[torch.Tensor], start: torch.Tensor) -> dict[str, float]:
+    """`chain/s`: the share of start positions whose top-1 drafts at steps 0..s ALL equal their labels; `n/chain`:
+    the start positions (`start`, 1 where step 0 is supervised). hits[s] is step s's hit (0/1, 0 where step s is
+    masked out) at the same start index as `start`.
+
+    Under teacher forcing step s reads the sequence's own tokens, which are the head's drafts exactly when steps
+    < s hit, so 1 + sum_s chain/s is the acceptance length of a greedy K-step chain drafted from every start
+    position (train.metrics' tau_chain). The per-step top-1 treats the steps as independent (tau_sim); they are
+    not: a step after a miss is often a miss too, and how much differs between families.
+    Example: hits [1 1 0 1], [1 0 0 1], start all 1 -> chain/0 0.75, chain/1 0.5."""
+    run = start.float()
+    n = float(run.sum())
+    out: dict[str, float] = {}
+    for s, h in enumerate(hits):
+        run = run * h.float()
+        out[f"chain/{s}"] = float(run.sum()) / max(n, 1.0)
+    out["n/chain"] = n
+    return out

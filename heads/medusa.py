@@ -29,7 +29,7 @@ from torch import nn
 
 from heads.align import shift_targets
 from heads.base import check_eval_tree
-from heads.losses import TokenLossConfig, check_token_loss, hard_token_loss, token_loss
+from heads.losses import TokenLossConfig, chain_metrics, check_token_loss, hard_token_loss, token_loss
 from heads.registry import Family
 from heads.sampling import draft_distribution
 from heads.tree import DEFAULT_CHOICES, StaticTree
@@ -122,9 +122,10 @@ def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> t
     total = last.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     if not union.any():
-        return total, {f"top1/{i}": 0.0 for i in range(cfg.num_heads)}
+        return total, {**{f"top1/{i}": 0.0 for i in range(cfg.num_heads)}, **chain_metrics([torch.zeros(0)] * cfg.num_heads, torch.zeros(0))}
     # Only positions some head has a target for pay for the [N, V] projections.
     logits_all = head(last[union]).float()  # [heads, N, V]
+    hits = [torch.zeros(logits_all.shape[1], device=last.device) for _ in shifted]  # per selected position
     for i, (labels, mask) in enumerate(shifted):
         keep = mask[union]  # head i's positions among the selected ones
         if not keep.any():
@@ -148,8 +149,10 @@ def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> t
             head_loss = hard_token_loss(logits, gold, cfg.loss, cfg.loss_tv_weight)
         total = total + (cfg.decay**i) * head_loss
         metrics[f"loss/{i}"] = float(head_loss.detach())
-        metrics[f"top1/{i}"] = float((logits.argmax(-1) == gold).float().mean())
+        hits[i][keep] = (logits.argmax(-1) == gold).float()
+        metrics[f"top1/{i}"] = float(hits[i][keep].mean())
         metrics[f"n/{i}"] = float(gold.numel())  # weights top1 when the loop averages batches
+    metrics.update(chain_metrics(hits, shifted[0][1][union]))
     return total, metrics
 
 

@@ -42,7 +42,7 @@ from transformers import DynamicCache
 from heads.align import shift_targets
 from heads.base import check_eval_tree
 from heads.cache import additive_mask, cache_kwarg, cache_length, crop_to, pad_requests
-from heads.losses import TokenLossConfig, check_token_loss, hard_token_loss
+from heads.losses import TokenLossConfig, chain_metrics, check_token_loss, hard_token_loss
 from heads.registry import Family
 from heads.sampling import draft_token
 from heads.types import DraftTree, Features, TargetIO
@@ -227,17 +227,22 @@ def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> t
     normed = head(last, embs, pe, mask)
     total = last.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
+    hits, starts = [], []  # per step, [B, T]: a start position's chain is its row of every step
     for k, (w, out) in enumerate(zip(step_weights(cfg), normed), start=1):
         labels, m = shift_targets(ids, valid, 1 + k)
+        hits.append(torch.zeros(m.shape, device=ids.device))
+        starts.append(m)
         if not m.any():
             metrics[f"top1/{k - 1}"] = 0.0
             continue
         logits, gold = _logits(target, out[m]), labels[m]
         step_loss = hard_token_loss(logits, gold, cfg.loss, cfg.loss_tv_weight)
         total = total + w * step_loss
+        hits[-1][m] = (logits.argmax(-1) == gold).float()
         metrics[f"loss/{k - 1}"] = float(step_loss.detach())
-        metrics[f"top1/{k - 1}"] = float((logits.argmax(-1) == gold).float().mean())
+        metrics[f"top1/{k - 1}"] = float(hits[-1][m].mean())
         metrics[f"n/{k - 1}"] = float(gold.numel())  # weights top1 when the loop averages batches
+    metrics.update(chain_metrics(hits, starts[0]))
     return total, metrics
 
 

@@ -98,6 +98,40 @@ def test_eagle3_ttt_steps_are_the_drafters_own_unroll_and_labels_sit_at_t_plus_1
         assert abs(float(loss) / T - metrics[f"loss/{s}"]) < 1e-4 * max(1.0, metrics[f"loss/{s}"]), s
 
 
+def test_eagle3_chain_is_each_start_positions_run_of_hits_through_the_ttt_steps(tiny_target):
+    """`chain/s` (heads.losses.chain_metrics) counts index t when steps 0..s at t ALL hit. An untrained head hits
+    nothing, so the labels (`target_argmax`) are set from the drafts themselves: position u gets step u % 3's draft
+    at index u - 1 - u % 3, which completes the chain of every third index and leaves others partial; the direct
+    count from the recorded step logits must equal the metric (a chain read across indices, or one started
+    from another step's mask, does not)."""
+    model, _, io = tiny_target
+    torch.manual_seed(0)
+    head = eagle.build(eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=200, ttt_length=STEPS), io).eval()
+    _spread(head, 0.15, seed=1)
+    ids = torch.randint(3, 250, (1, T), generator=torch.Generator().manual_seed(2))
+    feats, _ = forward_features(model, ids, None, head.layer_ids)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids),
+             "last": feats.last, "aux": feats.aux, "target_argmax": greedy_ids(model, feats.last).long()}
+    draft_ids = head.draft_ids()
+    with recording(head.lm_head, lambda out: draft_ids[out[0].argmax(-1)]) as drafts, torch.no_grad():
+        eagle.loss(head, batch, io)
+    labels = batch["target_argmax"].clone()
+    for u in range(1, T):
+        if u - 1 - u % STEPS >= 0:
+            labels[0, u] = drafts[u % STEPS][u - 1 - u % STEPS]
+    with torch.no_grad():
+        _, metrics = eagle.loss(head, {**batch, "target_argmax": labels}, io)
+    starts = T - 2  # index t predicts x_{t+2} at step 0
+    run = torch.ones(starts)
+    for s in range(STEPS):
+        hit = torch.zeros(starts)
+        hit[: T - 2 - s] = (drafts[s][: T - 2 - s] == labels[0, 1 + s : T - 1]).float()
+        run = run * hit
+        assert metrics[f"chain/{s}"] == pytest.approx(float(run.sum()) / starts), s
+    assert metrics[f"chain/{STEPS - 1}"] >= 3 / starts  # the planted full chains count
+    assert metrics["chain/0"] == pytest.approx(metrics["top1/0"]) and metrics["n/chain"] == metrics["n/0"]
+
+
 # ----------------------------------------------------------------------------------------------- MTP
 def test_mtp_step_k_is_the_drafters_step_k_and_predicts_t_plus_1_plus_k(tiny_target):
     model, _, io = tiny_target

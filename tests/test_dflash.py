@@ -191,7 +191,7 @@ def test_shapes_and_drafts(tiny_target, variant):
     assert logits.shape == (2, 3, 4, head.d2t.numel())
     loss, metrics = dflash.loss(head, batch, io)
     assert loss.ndim == 0 and torch.isfinite(loss)
-    assert set(metrics) == {f"{m}/{j}" for m in ("top1", "n") for j in range(n)}
+    assert set(metrics) == {f"{m}/{j}" for m in ("top1", "n", "chain") for j in range(n)} | {"n/chain"}
     d = dflash.drafter(head, io)
     prompt = batch["input_ids"][:1, :8]
     d.begin(prompt, forward_features(model, prompt, None, LAYERS)[0], 5)
@@ -404,6 +404,10 @@ def test_one_batch_overfit(tiny_target, variant):
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.3 * losses[0], losses[::10]
     assert min(metrics[f"top1/{k}"] for k in range(4 - head.first_slot)) > 0.75, metrics  # chance: 1/259
+    # the chain of hits (heads.losses.chain_metrics) starts at the first slot's share and shrinks slot by slot
+    chain = [metrics[f"chain/{k}"] for k in range(4 - head.first_slot)]
+    assert chain[0] == metrics["top1/0"] and metrics["n/chain"] == metrics["n/0"]
+    assert chain == sorted(chain, reverse=True) and chain[-1] > 0.3, metrics  # the last blocks run off the end
     lm_rows = io.lm_head.weight[head.draft_ids()]  # the (sharpened) target rows `_head` copied
     if cfg.train_lm_head:
         assert head.lm_head.weight.grad is not None and not torch.allclose(head.lm_head.weight, lm_rows)

@@ -16,6 +16,7 @@ import torch
 import train.loop as train_loop
 from data.config import load_config
 from heads.base import load_head
+from heads.losses import chain_metrics
 from train.batches import Plan, make_plan, train_loader
 from train.errors import TrainError
 from train.loop import main, train
@@ -204,6 +205,32 @@ def test_lr_schedule_and_simulated_tau():
     # tau_sim = 1 + a0 + a0*a1: 1 + 0.8 + 0.4
     assert simulated_tau([0.8, 0.5]) == pytest.approx(2.2)
     assert simulated_tau([]) == 1.0
+
+
+class _OneProcess:
+    """What MetricSum.reduce needs of an accelerator on one process."""
+
+    num_processes = 1
+    device = torch.device("cpu")
+
+
+def test_chain_metrics_and_tau_chain_weigh_batches_by_their_start_positions():
+    # worked example: chain/0 = 3/4, chain/1 = 2/4 (position 2 misses step 0; its step-1 hit does not count)
+    got = chain_metrics([torch.tensor([1.0, 1, 0, 1]), torch.tensor([1.0, 0, 1, 1])], torch.ones(4))
+    assert got == {"chain/0": 0.75, "chain/1": 0.5, "n/chain": 4.0}
+    # two batches, 4 and 1 start positions: means over the 5 starts, not over the 2 batches
+    sums = MetricSum()
+    sums.add(1.0, {"top1/0": 0.75, "n/0": 4, "top1/1": 0.75, "n/1": 4, **got})
+    sums.add(1.0, {"top1/0": 0.0, "n/0": 1, "top1/1": 1.0, "n/1": 1,
+                   **chain_metrics([torch.tensor([0.0]), torch.tensor([1.0])], torch.ones(1))})
+    res = sums.reduce(_OneProcess())
+    assert res["chain/0"] == pytest.approx(3 / 5) and res["chain/1"] == pytest.approx(2 / 5)
+    assert res["tau_chain"] == pytest.approx(2.0)
+    # the independence product counts the hits that follow a miss: 1 + 0.6 + 0.6 * 0.8
+    assert res["tau_sim"] == pytest.approx(2.08)
+    eagle1 = MetricSum()
+    eagle1.add(1.0, {"top1/0": 0.5, "n/0": 2})
+    assert "tau_chain" not in eagle1.reduce(_OneProcess())  # EAGLE-1 reports no chain
 
 
 def test_cli_refuses_another_family_and_a_too_large_draft_vocab(tmp_path, cache_dir, capsys):

@@ -64,8 +64,11 @@ def test_loss_masks_and_decreases(tiny_target) -> None:
     altered = dict(batch, input_ids=batch["input_ids"].clone())
     altered["input_ids"][0, 1] = 7
     assert torch.equal(medusa.loss(head, altered, io)[0], loss)
-    losses, _ = overfit(medusa.loss, head, batch, io, steps=25)
+    losses, metrics = overfit(medusa.loss, head, batch, io, steps=25)
     assert losses[-1] < 0.3 * losses[0]
+    chain = [metrics[f"chain/{i}"] for i in range(3)]  # heads.losses.chain_metrics: runs of hits, head by head
+    assert chain[0] == metrics["top1/0"] and metrics["n/chain"] == metrics["n/0"]
+    assert chain == sorted(chain, reverse=True) and chain[-1] > 0.3, metrics
     # Distillation to the target's distribution trains too (KL starts small on a random target).
     head = medusa.build(medusa.MedusaConfig(num_heads=2, distill=True), io)
     kl, _ = overfit(medusa.loss, head, batch, io, steps=15, lr=3e-3)

@@ -84,6 +84,8 @@ def test_recursive_module_trains(tiny_target) -> None:
     assert {"top1/0", "top1/1", "top1/2"} <= set(metrics)
     losses, metrics = overfit(mtp.loss, head, batch, io, steps=10)
     assert losses[-1] < losses[0] - 1.0 and min(metrics[f"top1/{k}"] for k in range(3)) > 0.7
+    chain = [metrics[f"chain/{k}"] for k in range(3)]  # heads.losses.chain_metrics: runs of hits, step by step
+    assert chain[0] == metrics["top1/0"] and chain == sorted(chain, reverse=True) and chain[-1] > 0.3, metrics
 
 
 def reference_probs(head, io, seq: list[int], hidden: torch.Tensor, steps: int, temperature: float) -> torch.Tensor:

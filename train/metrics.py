@@ -7,7 +7,12 @@ Held-out evaluation reports the mean loss, per-step top-1 `top1/k` (summed over 
 `n/k` metric weights its batch) and the simulated acceptance length
     tau_sim = 1 + sum_{k=0}^{K-1} prod_{j=0}^{k} top1_j
 i.e. tokens per target pass (counting the bonus/correction token) of a greedy chain of K drafts if step j
-were accepted independently with probability top1_j; K = the draft steps the family reports.
+were accepted independently with probability top1_j; K = the draft steps the family reports. Families that
+report `chain/k` (heads.losses.chain_metrics: the share of start positions whose steps 0..k all hit, weighted
+by `n/chain`) also get
+    tau_chain = 1 + sum_{k=0}^{K-1} chain_k
+the same chain's acceptance length measured position by position, without the independence: a step after a
+miss is often a miss too, so tau_chain is the smaller, and the families differ in how much.
 MetricsLog writes OUT/metrics.jsonl (strict JSON: NaN/inf become null) and wandb on rank 0 only.
 """
 
@@ -53,13 +58,19 @@ class MetricSum:
         self.sums["loss"] += weight * loss
         self.sums["batches"] += weight
         for k, v in metrics.items():
-            if k.startswith("n/") or k.startswith("top1/"):
+            if k.startswith(("n/", "top1/", "chain/")):
                 continue
             self.sums[k] += weight * float(v)
         for s in step_keys(metrics):
             n = float(metrics.get(f"n/{s}", 1.0)) * weight
             self.sums[f"top1/{s}"] += float(metrics[f"top1/{s}"]) * n
             self.sums[f"n/{s}"] += n
+        chain = [k for k in metrics if k.startswith("chain/")]
+        if chain:
+            n = float(metrics["n/chain"]) * weight
+            for k in chain:
+                self.sums[k] += float(metrics[k]) * n
+            self.sums["n/chain"] += n
 
     def reduce(self, accelerator: Any) -> dict[str, float]:
         """Sum over ranks (every rank holds the same keys), then turn sums into means."""
@@ -69,13 +80,18 @@ class MetricSum:
             vals = accelerator.reduce(vals, reduction="sum")
         tot = dict(zip(keys, vals.tolist()))
         batches = max(tot.pop("batches", 0.0), 1e-12)
-        out = {k: v / batches for k, v in tot.items() if not k.startswith(("n/", "top1/"))}
+        out = {k: v / batches for k, v in tot.items() if not k.startswith(("n/", "top1/", "chain/"))}
         top1 = []
         for s in sorted(int(k.split("/")[1]) for k in tot if k.startswith("top1/")):
             out[f"top1/{s}"] = tot[f"top1/{s}"] / max(tot[f"n/{s}"], 1e-12)
             top1.append(out[f"top1/{s}"])
         if top1:
             out["tau_sim"] = simulated_tau(top1)
+        chain = sorted(int(k.split("/")[1]) for k in tot if k.startswith("chain/"))
+        for s in chain:
+            out[f"chain/{s}"] = tot[f"chain/{s}"] / max(tot["n/chain"], 1e-12)
+        if chain:
+            out["tau_chain"] = 1.0 + sum(out[f"chain/{s}"] for s in chain)
         return out
 
 
@@ -138,6 +154,7 @@ class MetricsLog:
 def format_eval(step: int, m: dict[str, float]) -> str:
     steps = [m[f"top1/{s}"] for s in sorted(int(k.split("/")[1]) for k in m if k.startswith("top1/"))]
     top1 = " ".join(f"{a:.3f}" for a in steps)
+    chained = f", chained {m['tau_chain']:.3f}" if "tau_chain" in m else ""
     return (f"eval step {step}: held-out loss {m['loss']:.4f} | top-1 per draft step {top1} | "
-            f"simulated tau {m.get('tau_sim', float('nan')):.3f} (tokens per target pass incl. bonus, "
+            f"simulated tau {m.get('tau_sim', float('nan')):.3f}{chained} (tokens per target pass incl. bonus, "
             f"greedy chain of {len(steps)})")

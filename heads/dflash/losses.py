@@ -24,7 +24,8 @@ such positions has its extra anchors flagged invalid (masked out of the loss), a
 have fewer than `anchors` takes them all (no all-invalid column is computed).
 
 Metrics: `top1/{k-1}` = share of masked-in slots k (target argmax outside the draft vocab counted as misses)
-where the draft's argmax equals the target's argmax; `n/{k-1}` their count.
+where the draft's argmax equals the target's argmax; `n/{k-1}` their count; `chain/{k-1}` the share of blocks whose
+slots up to k all hit (heads.losses.chain_metrics).
 
 Tests: `.venv/bin/python -m pytest -q tests/test_dflash.py`.
 """
@@ -35,6 +36,7 @@ import torch
 
 from heads.dflash.model import DFlashHead
 from heads.eagle.losses import _draft_vocab_logits  # EAGLE-3's soft labels (draft-vocab rows only)
+from heads.losses import chain_metrics
 from heads.types import TargetIO
 
 
@@ -129,6 +131,7 @@ def block_loss(head: DFlashHead, batch: dict, target: TargetIO, anchors: torch.T
             cnt = float(mask_tok[..., k].sum())
             metrics[f"top1/{k - first}"] = float(hit[..., k].sum()) / max(cnt, 1.0)
             metrics[f"n/{k - first}"] = cnt
+        metrics.update(chain_metrics([hit[..., k] for k in range(first, bs)], mask_tok[..., first]))
     return total, metrics
 
 

@@ -31,7 +31,8 @@ EAGLE-3 (`Eagle3Head`, parameters named like SGLang's layout: `fc`, `midlayer.*`
     loss_s = -sum(mask * sum_v p log q) / (B*T);  loss = sum_s ttt_decay**s * loss_s
     (head.loss: forward_kl, the default, is this; tv and kl_tv replace -sum_v p log q, see `token_loss`).
   Metrics: `top1/s` = share of loss-masked positions (target argmax outside the draft vocab counted as
-  misses) where the draft's argmax equals the target's argmax at step s; `n/s` their count.
+  misses) where the draft's argmax equals the target's argmax at step s; `n/s` their count; `chain/s` the
+  share of step-0 positions whose steps 0..s all hit (heads.losses.chain_metrics).
 
 Draft vocabulary (`prepare`): the N most frequent tokens among loss-masked training tokens (ties: lower id
 first), sorted by id; `d2t[i] = id_i - i`, `t2d[id] = True` for chosen ids (vLLM/SGLang convention).

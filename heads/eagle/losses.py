@@ -15,7 +15,7 @@ from torch import nn
 
 from heads.align import shift_left
 from heads.eagle.model import Eagle1Head, Eagle3Head, rotary, ttt_attention
-from heads.losses import token_loss
+from heads.losses import chain_metrics, token_loss
 from heads.types import Features, TargetIO
 
 
@@ -71,6 +71,7 @@ def _loss_eagle3(head: Eagle3Head, batch: dict, target: TargetIO) -> tuple[torch
     values: list[torch.Tensor] = []
     total = hidden.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
+    hits: list[torch.Tensor] = []  # per step, at the same index t: the chain of one start position
     for s in range(head.ttt_length):
         tokens, mask_tok = step_alignment(ids, lmask, s)
         with torch.no_grad():
@@ -92,7 +93,9 @@ def _loss_eagle3(head: Eagle3Head, batch: dict, target: TargetIO) -> tuple[torch
             metrics[f"loss/{s}"] = float(step_loss.detach())
             metrics[f"top1/{s}"] = float(hit.sum()) / max(n, 1.0)
             metrics[f"n/{s}"] = n
+            hits.append(hit)
         hidden = o  # the next step reads this step's PRE-norm output
+    metrics.update(chain_metrics(hits, step_alignment(ids, lmask, 0)[1]))
     return total, metrics
 
 
