@@ -21,6 +21,7 @@ from data.readers import read_records
 from eval.bench import Question
 from eval.costs import Calibration, VerifyCost, calibrate, choose_k, ideal_speedup, measure_verify_cost
 from eval.drafters import NgramDrafter
+from eval.policy import depth_limit
 from eval.turns import prompt_ids
 
 if TYPE_CHECKING:
@@ -77,9 +78,12 @@ class Costs:
 
 def calibrate_drafter(target: Target, subject: Subject, prompts: list[torch.Tensor],
                       verify: VerifyCost) -> tuple[Calibration, int, float]:
-    """The evaluated drafter's calibration at k = 8, and the draft length (0 = plain) and speedup it predicts."""
-    cal = calibrate(target.model, subject.factory(8)(), prompts, k=8, max_new_tokens=32, eos_token_id=target.eos)
-    best_k, best_speedup = choose_k(cal.acceptance, verify, cal.draft_cost, k_max=8, draft_rate=cal.draft_rate)
+    """The evaluated drafter's calibration at k = 8, and the draft length (0 = plain) and speedup it predicts, at
+    most the drafter's own max_depth (a DFlash block of 3 drafting slots is never priced as a deeper chain)."""
+    drafter = subject.factory(8)()
+    k_max = min(8, depth_limit(drafter) or 8)
+    cal = calibrate(target.model, drafter, prompts, k=8, max_new_tokens=32, eos_token_id=target.eos)
+    best_k, best_speedup = choose_k(cal.acceptance, verify, cal.draft_cost, k_max=k_max, draft_rate=cal.draft_rate)
     if best_k > 0 and max(cal.stats.nodes_per_pass, default=0) > 8:
         # A tree verifies more nodes than its depth, which choose_k (a chain model) does not price: re-run the
         # calibration at the chosen depth and price its real node counts; plain decoding wins if it is faster.

@@ -282,6 +282,7 @@ class DeferredSync:
     def __init__(self, inner: Any):
         self.inner = inner
         self.capture_layers = inner.capture_layers
+        self.max_depth = getattr(inner, "max_depth", None)
         self._catch_up_s = 0.0
         self._drafted = False
         self._path: list[int] = []  # the joined deferred path: each commit's tokens, then its next token
@@ -377,6 +378,10 @@ class HybridDrafter:
             return None
         tokens, self._order = self.ngram.match(k)
         return len(tokens)
+
+    def max_depth_of(self, source: str) -> int | None:
+        """The deepest `source` can draft at all (heads.types.Drafter's max_depth): the head's; the n-gram has none."""
+        return self.head.max_depth if source == "head" else None
 
     def proposal_key(self, source: str) -> str:
         """What the proposal `proposal` just sized is priced as (eval.policy.AdaptivePolicy keeps acceptance per

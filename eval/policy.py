@@ -21,11 +21,11 @@ The model (eval.costs, per proposer s and depth d, the estimate a_s(d) of P(dept
     time(l)  = sum_{s: l_s > 0} D_s(nodes_s) + T(1 + sum_s nodes_s)     nodes_s = l_s * nodes per depth seen
     D_s(m)   = calibration's draft cost(m) * draft_scale(s)             observed / priced drafting seconds of
                                                                         s in this request (observe_drafting)
-and the lengths l (each 0..k_max, the n-gram's capped by the match it actually has) with the highest
-E(l) * T(1) / time(l) are drafted; all zero is a plain pass (T(1), E = 1), unless a one-token draft would pay at
-an optimistic first-depth rate, a_s(1) plus `explore_z` standard deviations of its Beta posterior (pseudo-count
-the decayed judgments plus w): then that one token is drafted (`explore`), so a few chance rejections early in a
-request cannot turn a useful head off, while one rejected every time stops within a dozen passes (a proposal known
+and the lengths l (each 0..k_max, the n-gram's capped by the match it actually has, a block drafter's by its
+max_depth, heads.types.Drafter) with the highest E(l) * T(1) / time(l) are drafted; all zero is a plain pass
+(T(1), E = 1), unless a one-token draft would pay at an optimistic first-depth rate, a_s(1) plus `explore_z`
+standard deviations of its Beta posterior (pseudo-count the decayed judgments plus w): then that one token is
+drafted (`explore`), so a few chance rejections early in a request cannot turn a useful head off, while one rejected every time stops within a dozen passes (a proposal known
 before drafting, the n-gram's match, is not explored: see the re-probes below). A proposer left at 0 for
 `probe_every` passes in a row is given depth 1 once (a cheap re-probe: one extra verified token; a proposal
 known before drafting, the n-gram's match, is probed whole: it costs nothing to draft and its worth is in its
@@ -59,9 +59,16 @@ from eval.decoder import GenerationStats
 from eval.speedup import extend_rates
 from heads.base import DraftTree
 
-__all__ = ["AdaptivePolicy", "LearnedVerifyCost", "isotonic", "measured_prior"]
+__all__ = ["AdaptivePolicy", "LearnedVerifyCost", "depth_limit", "isotonic", "measured_prior"]
 
 MAX_PROBE_GAP_FACTOR = 8  # re-probes back off from probe_every to at most 8 * probe_every plain passes
+
+
+def depth_limit(drafter: Any, source: str = "draft") -> int | None:
+    """How deep `source` of `drafter` can draft at all (heads.types.Drafter's max_depth: DFlash's drafting slots,
+    MTP's separate modules, Medusa's tree; a hybrid's head's via max_depth_of); None = no limit."""
+    of = getattr(drafter, "max_depth_of", None)
+    return of(source) if of is not None else getattr(drafter, "max_depth", None)
 
 
 def measured_prior(stats: GenerationStats) -> list[float]:
@@ -344,6 +351,9 @@ class AdaptivePolicy:
         for s in sources:
             known = drafter.proposal(s, cap) if hasattr(drafter, "proposal") else None
             limit[s] = cap if known is None else min(known, cap)
+            deepest = depth_limit(drafter, s)
+            if deepest is not None:  # a block of 3 slots priced as an 8-token draft would pay for depths it never drafts
+                limit[s] = min(limit[s], deepest)
             if known is None:
                 unknown.append(s)
             self.key[s] = drafter.proposal_key(s) if hasattr(drafter, "proposal_key") else s

@@ -176,6 +176,7 @@ class MedusaDrafter:
             self.tree = StaticTree(choices)
             if self.tree.depth > num_heads:
                 raise ValueError(f"Medusa tree has depth {self.tree.depth} but the head has only {num_heads} heads")
+        self.max_depth = self.tree.depth  # heads.types.Drafter: no draft is deeper
         self.last: torch.Tensor | None = None
         self.ready: tuple[int, float, DraftTree] | None = None  # (k, temperature, tree) from draft_together
 

@@ -264,6 +264,7 @@ class MTPDrafter:
         cfg = head.cfg
         # Separate modules stop at K; a recursive module may run as far as asked (or max_steps).
         self.max_steps = max_steps if max_steps is not None else (None if cfg.recursive else cfg.num_modules)
+        self.max_depth = self.max_steps  # heads.types.Drafter: no draft is deeper
         if not cfg.recursive and self.max_steps is not None and self.max_steps > cfg.num_modules:
             raise ValueError(f"max_steps {self.max_steps} exceeds num_modules {cfg.num_modules} (not recursive)")
         self.dtype = head.mtp[0].eh_proj.weight.dtype

@@ -152,6 +152,9 @@ class Drafter(Protocol):
           hybrid drafter (eval.drafters.HybridDrafter) uses it when the accepted path left this drafter's
           own nodes for another proposer's. Every drafter in this project implements it; the decoder alone
           only ever calls commit.
+    A drafter whose drafts stop at a fixed depth (DFlash's drafting slots, MTP's separate modules, Medusa's
+    tree) also has `max_depth`, that depth: a draft(k) call returns at most that many tokens deep whatever k
+    is, and eval.policy prices no deeper. Absent or None: no limit (EAGLE's chains and trees, the n-gram).
     """
 
     # hidden_states indices the drafter needs from every target pass (`aux`); None = no features at all,

@@ -307,6 +307,16 @@ MUTANTS: list[Mutant] = [
            "            self.key[s] = drafter.proposal_key(s) if hasattr(drafter, \"proposal_key\") else s",
            "            self.key[s] = s",
            ("tests/test_policy.py", "-k", "priced_by_its_match_order")),
+    # a block drafter of 3 slots priced as an 8-token chain (the policy ignores heads.types.Drafter's max_depth)
+    Mutant("policy_ignores_max_depth", "eval/policy.py",
+           "            if deepest is not None:",
+           "            if False:",
+           ("tests/test_policy.py", "-k", "deeper_than_the_drafter")),
+    # the chain of held-out hits started from the second step's positions instead of the first's
+    Mutant("chain_started_at_step_one", "heads/eagle/losses.py",
+           "    metrics.update(chain_metrics(hits, step_alignment(ids, lmask, 0)[1]))",
+           "    metrics.update(chain_metrics(hits, step_alignment(ids, lmask, 1)[1]))",
+           ("tests/test_alignment.py", "-k", "chain")),
     # a drafter kept from drafting still pays its begin (a head forward over the prompt)
     Mutant("deferred_sync_begins_at_once", "eval/drafters.py",
            "        self._begin, self._device = (prompt_ids, features, int(next_token)), prompt_ids.device",

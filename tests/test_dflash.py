@@ -196,6 +196,7 @@ def test_shapes_and_drafts(tiny_target, variant):
     prompt = batch["input_ids"][:1, :8]
     d.begin(prompt, forward_features(model, prompt, None, LAYERS)[0], 5)
     assert len(d.draft(2, 0.0)) == 2 and len(d.draft(9, 0.0)) == n  # at most the drafting slots
+    assert d.max_depth == n  # which the policy prices no deeper than (heads.types.Drafter)
     tree = d.draft(n, 1.0)
     assert tree.probs.shape == (n, io.vocab_size) and bool(head.t2d[tree.tokens].all())
 

@@ -230,6 +230,40 @@ def test_a_known_proposal_is_reprobed_whole():
     assert picks == [{"head": 0, "ngram": 0}, {"head": 1, "ngram": 5}]  # the head probes 1 token, the n-gram all 5
 
 
+def test_no_draft_is_priced_deeper_than_the_drafter_can_draft(sharp_model):  # noqa: F811 (fixture imported from test_decoder)
+    """Mutant policy_ignores_max_depth: a block drafter of 3 drafting slots (heads.types.Drafter's max_depth)
+    returns 3 tokens whatever k asks, so a policy that prices 8 pays for 5 depths of extrapolated acceptance it
+    never gets; with verification nearly free deep drafts look best, and the choice must stop at the drafter's
+    depth: alone, as a hybrid's head (max_depth_of, through DeferredSync), and for every family that has one."""
+
+    class Block:
+        capture_layers, max_depth = None, 3
+
+    flat = VerifyCost({1: 1.0, 9: 1.01, 17: 1.02}, context_len=64)
+    pol = AdaptivePolicy(flat, {"draft": DraftCost(0.0, 0.0)}, {"draft": [0.9]}, k_max=8)
+    pol.reset(0)
+    assert pol.choose(type("Chain", (), {"capture_layers": None})(), 10) == {"draft": 8}  # unbounded: as deep as allowed
+    assert pol.choose(Block(), 10) == {"draft": 3} and pol.choose(Block(), 2) == {"draft": 2}
+
+    class Hybrid(HybridDrafter):
+        def proposal(self, source, k):
+            return 0 if source == "ngram" else None  # no n-gram match this pass
+
+    both = {s: DraftCost(0.0, 0.0) for s in ("head", "ngram")}
+    pol = AdaptivePolicy(flat, both, {"head": [0.9], "ngram": [0.9]}, k_max=8)
+    pol.reset(0)
+    assert pol.choose(Hybrid(Block()), 10) == {"head": 3, "ngram": 0}
+    # the families' own depths: MTP's separate modules, Medusa's tree; EAGLE none (DFlash's: tests/test_dflash.py)
+    io = target_io(sharp_model)
+    torch.manual_seed(0)
+    eagle3 = eagle.build(eagle.Eagle3Config(layer_ids=[0, 1], draft_vocab_size=97, ttt_length=2), io)
+    got = {"mtp": mtp.drafter(mtp.build(mtp.MTPConfig(num_modules=2), io), io).max_depth,
+           "mtp recursive": mtp.drafter(mtp.build(mtp.MTPConfig(recursive=True, num_steps=2), io), io).max_depth,
+           "medusa": medusa.drafter(medusa.build(medusa.MedusaConfig(num_heads=3), io), io).max_depth,
+           "eagle3": getattr(eagle.drafter(eagle3, io), "max_depth", None)}
+    assert got == {"mtp": 2, "mtp recursive": None, "medusa": 3, "eagle3": None}
+
+
 def test_the_ngram_is_priced_by_its_match_order():
     """Mutant ngram_priced_as_one_average: the hybrid's n-gram proposals alternate between 3-token matches whose
     two drafted tokens are always accepted and 1-token matches whose drafts never are. Two tokens pay only when

@@ -45,6 +45,7 @@ class DFlashDrafter:
     def __init__(self, head: DFlashHead, target: TargetIO, generator: torch.Generator | None = None):
         self.head, self.target = head.eval(), target
         self.capture_layers: tuple[int, ...] | None = tuple(head.layer_ids)
+        self.max_depth = head.block_size - head.first_slot  # the drafting slots: no draft is deeper
         self.generator = generator
         self.device = next(head.parameters()).device
         self.ctx: list[tuple[torch.Tensor, torch.Tensor]] = []
