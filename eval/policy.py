@@ -25,12 +25,12 @@ and the lengths l (each 0..k_max, the n-gram's capped by the match it actually h
 max_depth, heads.types.Drafter) with the highest E(l) * T(1) / time(l) are drafted; all zero is a plain pass
 (T(1), E = 1), unless a one-token draft would pay at an optimistic first-depth rate, a_s(1) plus `explore_z`
 standard deviations of its Beta posterior (pseudo-count the decayed judgments plus w): then that one token is
-drafted (`explore`), so a few chance rejections early in a request cannot turn a useful head off, while one rejected every time stops within a dozen passes (a proposal known
-before drafting, the n-gram's match, is not explored: see the re-probes below). A proposer left at 0 for
-`probe_every` passes in a row is given depth 1 once (a cheap re-probe: one extra verified token; a proposal
-known before drafting, the n-gram's match, is probed whole: it costs nothing to draft and its worth is in its
-deep positions, which one token would never measure), so a
-request that becomes predictable gets drafts again; while probes do not bring it back the gap doubles
+drafted (`explore`), so a few chance rejections early in a request cannot turn a useful head off, while one
+rejected every time stops within a dozen passes (a proposal known before drafting, the n-gram's match, is not
+explored: see the re-probes below). A proposer left at 0 for `probe_every` passes in a row is given depth 1 once
+(a cheap re-probe: one extra verified token; a proposal known before drafting, the n-gram's match, is probed
+whole: it costs nothing to draft and its worth is in its deep positions, which one token would never measure), so
+a request that becomes predictable gets drafts again; while probes do not bring it back the gap doubles
 (8, 16, 32, 64 passes), so a drafter that never helps costs little more than plain decoding. The prior is the
 calibration's acceptance, which is what the calibrated k was chosen from (in the eval, with the benchmark's earlier
 turns' counts added: eval.turns.adaptive_policy); reset's k is the first pass's length.
