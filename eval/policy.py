@@ -351,8 +351,9 @@ class AdaptivePolicy:
         for s in sources:
             known = drafter.proposal(s, cap) if hasattr(drafter, "proposal") else None
             limit[s] = cap if known is None else min(known, cap)
+            # a block of 3 slots priced as an 8-token draft would pay for depths it never drafts
             deepest = depth_limit(drafter, s)
-            if deepest is not None:  # a block of 3 slots priced as an 8-token draft would pay for depths it never drafts
+            if deepest is not None:
                 limit[s] = min(limit[s], deepest)
             if known is None:
                 unknown.append(s)

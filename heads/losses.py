@@ -93,8 +93,8 @@ def chain_metrics(hits: Sequence[torch.Tensor], start: torch.Tensor) -> dict[str
     Under teacher forcing step s reads the sequence's own tokens, which are the head's drafts exactly when steps
     < s hit (MTP's and Medusa's labels are those tokens; EAGLE-3's and DFlash's are the target's greedy tokens,
     the same where the answers were regenerated greedily, as the quickstart's are), so 1 + sum_s chain/s is the
-    acceptance length of a greedy K-step chain drafted from every start position (train.metrics' tau_chain). The per-step top-1 treats the steps as independent (tau_sim); they are
-    not: a step after a miss is often a miss too, and how much differs between families.
+    acceptance length of a greedy K-step chain drafted from every start position (train.metrics' tau_chain).
+    The per-step top-1 treats the steps as independent (tau_sim); they are not: hits cluster.
     Example: hits [1 1 0 1], [1 0 0 1], start all 1 -> chain/0 0.75, chain/1 0.5."""
     run = start.float()
     n = float(run.sum())

@@ -122,7 +122,8 @@ def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> t
     total = last.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     if not union.any():
-        return total, {**{f"top1/{i}": 0.0 for i in range(cfg.num_heads)}, **chain_metrics([torch.zeros(0)] * cfg.num_heads, torch.zeros(0))}
+        none = chain_metrics([torch.zeros(0)] * cfg.num_heads, torch.zeros(0))  # every key, as each rank must have
+        return total, {**{f"top1/{i}": 0.0 for i in range(cfg.num_heads)}, **none}
     # Only positions some head has a target for pay for the [N, V] projections.
     logits_all = head(last[union]).float()  # [heads, N, V]
     hits = [torch.zeros(logits_all.shape[1], device=last.device) for _ in shifted]  # per selected position

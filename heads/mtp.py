@@ -227,11 +227,10 @@ def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> t
     normed = head(last, embs, pe, mask)
     total = last.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
-    hits, starts = [], []  # per step, [B, T]: a start position's chain is its row of every step
+    hits: list[torch.Tensor] = []  # per step, [B, T]: a start position's chain is its row of every step
     for k, (w, out) in enumerate(zip(step_weights(cfg), normed), start=1):
         labels, m = shift_targets(ids, valid, 1 + k)
         hits.append(torch.zeros(m.shape, device=ids.device))
-        starts.append(m)
         if not m.any():
             metrics[f"top1/{k - 1}"] = 0.0
             continue
@@ -242,7 +241,7 @@ def loss(head: nn.Module, batch: dict[str, torch.Tensor], target: TargetIO) -> t
         metrics[f"loss/{k - 1}"] = float(step_loss.detach())
         metrics[f"top1/{k - 1}"] = float(hits[-1][m].mean())
         metrics[f"n/{k - 1}"] = float(gold.numel())  # weights top1 when the loop averages batches
-    metrics.update(chain_metrics(hits, starts[0]))
+    metrics.update(chain_metrics(hits, shift_targets(ids, valid, 2)[1]))  # the start positions: step 1's
     return total, metrics
 
 
@@ -264,7 +263,6 @@ class MTPDrafter:
         cfg = head.cfg
         # Separate modules stop at K; a recursive module may run as far as asked (or max_steps).
         self.max_steps = max_steps if max_steps is not None else (None if cfg.recursive else cfg.num_modules)
-        self.max_depth = self.max_steps  # heads.types.Drafter: no draft is deeper
         if not cfg.recursive and self.max_steps is not None and self.max_steps > cfg.num_modules:
             raise ValueError(f"max_steps {self.max_steps} exceeds num_modules {cfg.num_modules} (not recursive)")
         self.dtype = head.mtp[0].eh_proj.weight.dtype
@@ -284,6 +282,11 @@ class MTPDrafter:
         self.tokens = ids + [int(next_token)]
         self.hidden = features.last[0].to(self.dtype)
         self.caches, self.outs, self.drafted, self.ready = [], [], [], None
+
+    @property
+    def max_depth(self) -> int | None:
+        """heads.types.Drafter: no draft is deeper than max_steps (None: a recursive module runs as far as asked)."""
+        return self.max_steps
 
     def _steps(self, k: int) -> int:
         return k if self.max_steps is None else min(k, self.max_steps)

@@ -9,9 +9,10 @@ with the given costs, its prior and the eval's single-stream margin (eval.turns.
 alone is priced in eval.run, except that the verify curve and the draft cost stay as given (eval.run's learn from
 its timed passes) and the prior is not pooled over earlier requests. A pass drafting k tokens costs
 draft(k) + T(k + 1); plain decoding costs T(1) a token. For each alpha and each `--explore-z` (0 = no
-exploration: the policy before `AdaptivePolicy.explore`), the table gives the speedup over plain decoding summed over `--requests` seeded requests (the same acceptance
-draws for every z) and the share of passes that drafted. Verify costs: T(1), T(2), T(3), ... ms
-(`--verify-ms`, the eval report's `costs.verify_s`); the draft cost: fixed and per-token ms (`costs.draft_cost`).
+exploration: the policy before `AdaptivePolicy.explore`), the table gives the speedup over plain decoding summed
+over `--requests` seeded requests (the same acceptance draws for every z) and the share of passes that drafted.
+Verify costs: T(1), T(2), T(3), ... ms (`--verify-ms`, the eval report's `costs.verify_s`); the draft cost: fixed
+and per-token ms (`costs.draft_cost`).
 JSON: {"<z>": {"<alpha>": {"speedup": x, "drafted": share}}}.
 """
 
