@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from data.attention import use_gqa_attention
 from data.cli import UserError, cli_main
 from data.config import TargetConfig
-from data.packed import choose_kernels, pack_linears
+from data.packed import choose_kernels, pack_linears, skinny_linears
 from heads.base import TargetIO, target_fingerprint
 
 CHATML_TEMPLATE = (
@@ -250,6 +250,8 @@ def load_model(cfg: TargetConfig, decode: bool = False, verify: bool = False) ->
         choose_kernels(model)
     elif decode and cfg.cpu_kernels == "packed":
         pack_linears(model)
+    elif decode and cfg.cpu_kernels == "skinny":
+        skinny_linears(model)
     return model
 
 

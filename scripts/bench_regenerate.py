@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); 1 is steadier "
                     "on a machine shared with other jobs, where idle threads spin-wait")
     ap.add_argument("--kernels", default="auto", help="comma-separated target.cpu_kernels to run the batches with "
-                    "(auto, packed, dense; default auto, what data.regenerate runs)")
+                    "(auto, packed, skinny, dense; default auto, what data.regenerate runs)")
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                     help="vllm: transformers' batched generate against vLLM instead (the vllm extra)")
     ap.add_argument("--hf-batch", type=int, default=8, help="--engine vllm: transformers' batch size (default 8)")
@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
 
     tcfg = TargetConfig(name_or_path=args.target, device=args.device)
     kernels = args.kernels.split(",")
-    if bad := [k for k in kernels if k not in ("auto", "packed", "dense")]:
-        ap.error(f"--kernels: {bad[0]!r} is not auto, packed or dense")
+    if bad := [k for k in kernels if k not in ("auto", "packed", "skinny", "dense")]:
+        ap.error(f"--kernels: {bad[0]!r} is not auto, packed, skinny or dense")
     records, _ = read_records(args.prompts, max_samples=args.num_prompts)
     jobs, _ = make_jobs(records, None)
     prompts = [j.users[0] for j in jobs]
