@@ -219,7 +219,9 @@ class SkinnyLinear(nn.Module):
         flat = x.reshape(rows, self.in_features)
         if computed > rows:
             flat = torch.cat([flat, flat.new_zeros(computed - rows, self.in_features)])
-        y = _kernel(kernel, flat, self.weight, self._wt)[:rows]
+        # contiguous: "wx"'s transposed rows, fed on (through the MLP's product) to the next layer's kernel,
+        # cost SmolLM2's down projection 0.69 ms for 2 rows instead of 0.23
+        y = _kernel(kernel, flat, self.weight, self._wt)[:rows].contiguous()
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -191,6 +191,7 @@ def test_every_skinny_kernel_gives_the_dense_rows(kernel: str) -> None:
             x = torch.randn(1, rows, 24)
             got = layer(x)
             assert got.shape == (1, rows, 40)
+            assert got.is_contiguous()  # "wx" rows left transposed slowed the next layer's kernel threefold
             torch.testing.assert_close(got, lin(x), rtol=1e-5, atol=1e-5)
     x = torch.randn(2, 24, requires_grad=True)
     y = layer(x)
