@@ -312,6 +312,16 @@ MUTANTS: list[Mutant] = [
            "            if deepest is not None:",
            "            if False:",
            ("tests/test_policy.py", "-k", "deeper_than_the_drafter")),
+    # a skinny layer pads its rows for a cheaper product and keeps the padding's rows instead of its own
+    Mutant("skinny_keeps_padding_rows", "data/packed.py",
+           "        y = _kernel(kernel, flat, self.weight, self._wt)[:rows].contiguous()",
+           "        y = _kernel(kernel, flat, self.weight, self._wt)[-rows:].contiguous()",
+           ("tests/test_packed.py", "-k", "every_skinny"), quick=True),
+    # skinny's plan never pads: three rows through W x^T cost twice four on the AMD EPYC
+    Mutant("skinny_plan_never_pads", "data/packed.py",
+           "    return {m: min(((k, c) for c in range(m, rows + 1) for k in SKINNY_KERNELS), key=median.__getitem__)",
+           "    return {m: min(((k, c) for c in (m,) for k in SKINNY_KERNELS), key=median.__getitem__)",
+           ("tests/test_packed.py", "-k", "plan_rows")),
     # the chain of held-out hits started from the second step's positions instead of the first's
     Mutant("chain_started_at_step_one", "heads/eagle/losses.py",
            "    metrics.update(chain_metrics(hits, step_alignment(ids, lmask, 0)[1]))",
