@@ -60,11 +60,15 @@ median; 49152 x 576 in ms)
 while the same product transposed, with the rows as MKL's narrow operand, costs no more for 2 or 4 rows than
 for one, and three rows cost twice four. SkinnyLinear takes, per row count 1..SKINNY_ROWS and weight shape,
 the kernel and the row count (zero rows padding up to it) timed fastest (plan_rows, once per shape at load),
-and F.linear beyond: whole passes measured T(1..4) = 59 / 62 / 68 / 75 ms there, one drafted token 0.05 of a
-plain pass instead of 0.6. The plan is timed, not assumed: on another CPU a row count may keep F.linear. Batched generation (prompt writing, regeneration: 32 rows a pass) runs dense under `auto`,
-untimed, so the data stages' outputs never depend on a timing: the same speed either way on the first
-machine, and dense the faster on an AVX-512/AMX one (`scripts/bench_regenerate.py --batches 32 --kernels
-packed,dense`, the quickstart's first 64 prompts, 128 tokens: 169 against 194 tokens/s, answers identical).
+and F.linear beyond. Its output is made contiguous: W x^T's rows left transposed kept that layout through the
+MLP's product, and the down projection's kernel then took 0.69 ms for 2 rows instead of 0.23. Whole passes
+measured T(1..4) = 53 / 55 / 58 / 56 ms there (median of 15, 128-token context): one drafted token costs 0.04 of a
+plain pass instead of 0.6. The plan is timed, not assumed: on another CPU a row count may keep F.linear.
+
+Batched generation (prompt writing, regeneration: 32 rows a pass) runs dense under `auto`, untimed, so the
+data stages' outputs never depend on a timing: the same speed either way on the first machine, and dense the
+faster on an AVX-512/AMX one (`scripts/bench_regenerate.py --batches 32 --kernels packed,dense`, the
+quickstart's first 64 prompts, 128 tokens: 169 against 194 tokens/s, answers identical).
 
 `target.cpu_kernels: packed` (or `skinny`) applies it wherever the target decodes
 (`data.target.load_model(cfg, decode=True)`): eval, prompt writing, regeneration. A packed or skinny layer
@@ -100,7 +104,6 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dense_single_row = dense_single_row  # one row (a plain decode step) takes the dense kernel
-        self.active = True  # False: always the dense kernel (choose_kernels times both)
         self.weight = linear.weight  # the same Parameter: state_dict, tying and fingerprints are unchanged
         self.bias = linear.bias
         with torch.no_grad():
@@ -108,7 +111,7 @@ class PackedLinear(nn.Module):
             self._packed_bias = None if linear.bias is None else linear.bias.detach().to_mkldnn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (not self.active or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
+        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
                 or (self.dense_single_row and x.numel() == self.in_features)):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features).contiguous().to_mkldnn()
@@ -185,8 +188,8 @@ def _dense(layer: PackedLinear | SkinnyLinear) -> nn.Linear:
 
 
 SKINNY_ROWS = 8  # row counts with a kernel plan of their own; more rows (batched generation) take F.linear
-SKINNY_KERNELS = ("dense", "wx", "xw")
-PLAN_REPEATS = 5  # timed rounds per (kernel, rows) cell of a plan: about a second per weight shape of SmolLM2  # F.linear; W @ x^T (x the small operand); x @ (W^T stored row-major)
+SKINNY_KERNELS = ("dense", "wx", "xw")  # F.linear; W @ x^T (x the small operand); x @ (W^T stored row-major)
+PLAN_REPEATS = 5  # timed rounds per (kernel, rows) cell of a plan: about a second per weight shape of SmolLM2
 
 
 class SkinnyLinear(nn.Module):
@@ -340,6 +343,6 @@ def choose_kernels(model: nn.Module, rows: tuple[int, ...] = AUTO_ROWS, context:
     kind = best if sum(t[best]) < (1 - AUTO_MARGIN) * sum(t["dense"]) else "dense"
     _install(slots, variants[kind])
     ms = {k: " / ".join(f"{1000 * s:.0f}" for s in v) for k, v in t.items()}
-    print(f"target.cpu_kernels auto: {kind} (T({rows[0]}..{rows[-1]}) " + ", ".join(f"{k} {v} ms" for k, v in ms.items())
-          + ")", file=sys.stderr)
+    timings = ", ".join(f"{k} {v} ms" for k, v in ms.items())
+    print(f"target.cpu_kernels auto: {kind} (T({rows[0]}..{rows[-1]}) {timings})", file=sys.stderr)
     return kind
