@@ -122,14 +122,19 @@ class PackedLinear(nn.Module):
         """A copy is a dense nn.Linear of copied weights: oneDNN's packed tensor has no storage to copy (a head
         built from a copy of the target's layer, an MTP block, would fail on a packed target), and a copy is
         for changing, which the packed copy would not follow (the module docstring)."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = copy.deepcopy(self.weight, memo)
-        linear.bias = copy.deepcopy(self.bias, memo)
-        memo[id(self)] = linear
-        return linear
+        return _dense_copy(self, memo)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _dense_copy(layer: PackedLinear | SkinnyLinear, memo: dict) -> nn.Linear:
+    """An nn.Linear of deep copies of `layer`'s weight and bias (its __deepcopy__)."""
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    linear.weight = copy.deepcopy(layer.weight, memo)
+    linear.bias = copy.deepcopy(layer.bias, memo)
+    memo[id(layer)] = linear
+    return linear
 
 
 def can_pack(linear: nn.Module, min_numel: int | None = None) -> bool:
@@ -232,11 +237,7 @@ class SkinnyLinear(nn.Module):
     def __deepcopy__(self, memo: dict) -> nn.Linear:
         """A dense nn.Linear of copied weights, as PackedLinear's (a copy is for changing; the W^T copy would
         not follow)."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = copy.deepcopy(self.weight, memo)
-        linear.bias = copy.deepcopy(self.bias, memo)
-        memo[id(self)] = linear
-        return linear
+        return _dense_copy(self, memo)
 
     def extra_repr(self) -> str:
         plan = ", ".join(f"{r}: {k}" + (f" as {c}" if c > r else "") for r, (k, c) in sorted(self.plan.items()))
