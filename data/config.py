@@ -114,7 +114,7 @@ class TargetConfig:
     # CPU float32 inference (eval, prompts, regeneration). packed: the large matrices run on oneDNN-prepacked
     # weights (data.packed; on one machine a verify pass over 2-3 tokens went from 1.6-2x to 1.2x a one-token
     # pass, on another packing made it 2.3x); skinny: each row count 1-8 takes the MKL product timed fastest for
-    # each weight shape at load (on an AMD EPYC, T(2) went from 1.6x to 1.2x T(1)); dense: torch's default
+    # each weight shape at load (on an AMD EPYC, T(2) went from 1.6x to 1.04x T(1)); dense: torch's default
     # kernels; auto: the decoder's target (eval, benchmarks) times all three at load and keeps the fastest
     # (printed), batched generation runs dense.
     cpu_kernels: Literal["auto", "packed", "skinny", "dense"] = "auto"

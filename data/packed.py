@@ -43,7 +43,7 @@ same target measured T(1..4) = 49 / 49 / 53 / 74 ms dense and 48 / 113 / 101 / 1
 packing made a verify pass 2.3x a plain one. So the default, `target.cpu_kernels: auto`, has the decoder's
 target (`load_model(cfg, decode=True, verify=True)`: eval, the benchmarks) pack, then time whole target
 passes over 1-4 tokens every way on the machine at hand (choose_kernels: 16 passes a kind at load) and keep
-packed or skinny only where it is at least AUTO_MARGIN cheaper; otherwise the layers go back to nn.Linear.
+packed or skinny only where it is at least AUTO_MARGIN cheaper; otherwise the nn.Linear layers stay.
 The choice is printed; a machine near the margin can choose differently from one load to the next (set
 `packed`, `skinny` or `dense` to pin it).
 
@@ -159,6 +159,12 @@ def _slots(module: nn.Module, min_numel: int | None = None) -> list[Slot]:
     return found
 
 
+def _install(slots: Sequence[Slot], layers: Sequence[nn.Module]) -> None:
+    """Hang layers[i] where slots[i] is."""
+    for (parent, name, _), layer in zip(slots, layers):
+        setattr(parent, name, layer)
+
+
 def _packed(linear: nn.Linear) -> PackedLinear:
     return PackedLinear(linear, dense_single_row=linear.weight.numel() < MIN_PACKED_NUMEL)
 
@@ -168,28 +174,8 @@ def pack_linears(module: nn.Module, min_numel: int | None = None) -> int:
 
     Those under MIN_PACKED_NUMEL weights keep the dense kernel for a single row (see the module docstring)."""
     slots = _slots(module, min_numel)
-    for parent, name, child in slots:
-        setattr(parent, name, _packed(child))
+    _install(slots, [_packed(linear) for _, _, linear in slots])
     return len(slots)
-
-
-def unpack_linears(module: nn.Module) -> int:
-    """Put back an nn.Linear (the same weight and bias Parameters) for every PackedLinear or SkinnyLinear under
-    `module`."""
-    count = 0
-    for name, child in module.named_children():
-        if isinstance(child, (PackedLinear, SkinnyLinear)):
-            setattr(module, name, _dense(child))
-            count += 1
-        else:
-            count += unpack_linears(child)
-    return count
-
-
-def _dense(layer: PackedLinear | SkinnyLinear) -> nn.Linear:
-    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-    linear.weight, linear.bias = layer.weight, layer.bias
-    return linear
 
 
 SKINNY_ROWS = 8  # row counts with a kernel plan of their own; more rows (batched generation) take F.linear
@@ -281,8 +267,7 @@ def skinny_linears(module: nn.Module, min_numel: int | None = None) -> int:
     """Replace every packable nn.Linear under `module` by a SkinnyLinear whose plan is timed here, once per
     weight shape (plan_rows); return how many."""
     slots = _slots(module, min_numel)
-    for (parent, name, _), layer in zip(slots, _skinny(slots)):
-        setattr(parent, name, layer)
+    _install(slots, _skinny(slots))
     return len(slots)
 
 
@@ -322,10 +307,6 @@ def _time_passes(model: nn.Module, variants: Mapping[str, Sequence[nn.Module]], 
                     times.setdefault((kind, n), []).append(dt)
     return {kind: [statistics.median(times[kind, n]) for n in rows] for kind in kinds}
 
-
-def _install(slots: Sequence[Slot], layers: Sequence[nn.Module]) -> None:
-    for (parent, name, _), layer in zip(slots, layers):
-        setattr(parent, name, layer)
 
 
 def choose_kernels(model: nn.Module, rows: tuple[int, ...] = AUTO_ROWS, context: int = 128,

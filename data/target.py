@@ -191,9 +191,10 @@ def load_model(cfg: TargetConfig, decode: bool = False, verify: bool = False) ->
     decode: the caller generates tokens with it (eval, prompt writing, regeneration: a few rows per forward
     through the output projection), so with `target.cpu_kernels: packed` the large matrices of a CPU float32
     target get oneDNN-prepacked copies (data.packed). verify: the caller verifies drafts (eval, benchmarks:
-    passes of 1-4 rows), so with `auto` (the default) the kernels are timed both ways here and the faster
-    kept; batched generation (verify False: prompt writing, regeneration) runs dense under `auto`, untimed, so
-    its outputs never hang on a timing: its 32-row passes ran at the same speed either way on one machine and
+    passes of 1-4 rows), so with `auto` (the default) dense, packed and skinny kernels are timed here and the
+    fastest kept (`skinny`: per row count, the product timed fastest for each weight shape); batched
+    generation (verify False: prompt writing, regeneration) runs dense under `auto`, untimed, so its outputs
+    never hang on a timing: its 32-row passes ran at the same speed either way on one machine and
     1.15x faster dense on another (data.packed). Extraction (no output projection) and training (ZeRO-3
     partitions the weights it would pack) do not ask for it. A verifying CPU target also groups its key/value
     heads inside SDPA under a mask (data.attention): every pass over drafted tokens has one."""
