@@ -313,6 +313,12 @@ class EvalConfig:
     temperature: list[NonNegative] = field(default_factory=lambda: [0.0])
     num_draft_tokens: Count | None = None  # chain length k; null = choose from measured costs
     tree: Literal["auto", "chain", "static", "dynamic"] = "auto"
+    # EAGLE-2's dynamic tree (tree: dynamic; SGLang's speculative_eagle_topk and speculative_num_draft_tokens):
+    # each expanded node's children, and the nodes verified. The defaults are EAGLE-2's, sized for a GPU, where
+    # 61 verify rows cost about one; on a CPU whose verify curve is flat to a few rows a tree of 2-3 each
+    # fits it (docs/results.md, "Small dynamic trees").
+    tree_topk: Count = 10
+    tree_tokens: Count = 60
     policy: Literal["adaptive", "fixed"] = "adaptive"  # adaptive (eval.policy: per-pass k from this request's acceptance) | fixed (k every pass)
     # The dtype the head drafts in (the decoder verifies with the target, so greedy output and the sampling law
     # do not depend on it). target: the target's dtype; bfloat16; auto: a CPU float32 target's head drafts in

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -283,6 +283,7 @@ class DeferredSync:
         self.inner = inner
         self.capture_layers = inner.capture_layers
         self.max_depth = getattr(inner, "max_depth", None)
+        self.nodes = getattr(inner, "nodes", None)  # the inner drafter's node count per length, if it states one
         self._catch_up_s = 0.0
         self._drafted = False
         self._path: list[int] = []  # the joined deferred path: each commit's tokens, then its next token
@@ -382,6 +383,11 @@ class HybridDrafter:
     def max_depth_of(self, source: str) -> int | None:
         """The deepest `source` can draft at all (heads.types.Drafter's max_depth): the head's; the n-gram has none."""
         return self.head.max_depth if source == "head" else None
+
+    def nodes_of(self, source: str) -> Callable[[int], int] | None:
+        """The head's own node count per length, where it states one (heads.types.Drafter's `nodes`); the
+        n-gram's chain is learned (eval.policy.node_count)."""
+        return getattr(self.head, "nodes", None) if source == "head" else None
 
     def proposal_key(self, source: str) -> str:
         """What the proposal `proposal` just sized is priced as (eval.policy.AdaptivePolicy keeps acceptance per

@@ -18,7 +18,8 @@ The model (eval.costs, per proposer s and depth d, the estimate a_s(d) of P(dept
     P_s(d)   = a_s(1) * ... * a_s(d)                                    the proposer's chain reaches depth d
     E(l)     = 1 + sum_d (1 - prod_s (1 - P_s(d) [d <= l_s]))           tokens per pass, branches treated as
                                                                         independent chances to reach depth d
-    time(l)  = sum_{s: l_s > 0} D_s(nodes_s) + T(1 + sum_s nodes_s)     nodes_s = l_s * nodes per depth seen
+    time(l)  = sum_{s: l_s > 0} D_s(nodes_s) + T(1 + sum_s nodes_s)     nodes_s = l_s * nodes per depth seen,
+                                                                        or the drafter's own count (node_count)
     D_s(m)   = calibration's draft cost(m) * draft_scale(s)             observed / priced drafting seconds of
                                                                         s in this request (observe_drafting)
 and the lengths l (each 0..k_max, the n-gram's capped by the match it actually has, a block drafter's by its
@@ -51,7 +52,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from eval.costs import DraftCost, VerifyCost, shrunk_rates, speedup
@@ -59,9 +60,17 @@ from eval.decoder import GenerationStats
 from eval.speedup import extend_rates
 from heads.base import DraftTree
 
-__all__ = ["AdaptivePolicy", "LearnedVerifyCost", "depth_limit", "isotonic", "measured_prior"]
+__all__ = ["AdaptivePolicy", "LearnedVerifyCost", "depth_limit", "isotonic", "measured_prior", "node_count"]
 
 MAX_PROBE_GAP_FACTOR = 8  # re-probes back off from probe_every to at most 8 * probe_every plain passes
+
+
+def node_count(drafter: Any, source: str = "draft") -> Callable[[int], int] | None:
+    """How many nodes `source` of `drafter` drafts at each length, where the drafter says (heads.types.Drafter's
+    `nodes`: EAGLE-2's dynamic tree, whose node budget is not a multiple of its depth; a hybrid's head's via
+    `nodes_of`); None = learn it from the trees drafted (nodes per depth, 1 for chains)."""
+    of = getattr(drafter, "nodes_of", None)
+    return of(source) if of is not None else getattr(drafter, "nodes", None)
 
 
 def depth_limit(drafter: Any, source: str = "draft") -> int | None:
@@ -157,6 +166,8 @@ class AdaptivePolicy:
         self.k_max, self.weight, self.decay, self.probe_every = k_max, prior_weight, decay, probe_every
         self._t: dict[int, float] = {}
         self._t_version = -1
+        # per proposer, its drafter's own node count per length where it states one (node_count, set by choose)
+        self.declared: dict[str, Callable[[int], int] | None] = {}
         self.reset(0)
 
     def reset(self, k: int) -> None:
@@ -226,7 +237,10 @@ class AdaptivePolicy:
         return self.costs[source](nodes) * self.draft_scale(source) * self.shared.get(source, 1.0) if nodes else 0.0
 
     def _nodes(self, source: str, length: int) -> int:
-        return math.ceil(self.width[source] * length - 1e-9) if length else 0
+        if not length:
+            return 0
+        count = self.declared.get(source)
+        return count(length) if count is not None else math.ceil(self.width[source] * length - 1e-9)
 
     def _verify(self, n: int) -> float:
         """T(n) of the isotonic fit, memoised (choose prices up to (k_max + 1)^2 candidates every pass)."""
@@ -355,6 +369,10 @@ class AdaptivePolicy:
             deepest = depth_limit(drafter, s)
             if deepest is not None:
                 limit[s] = min(limit[s], deepest)
+            # a drafter's own node count prices its trees exactly; a tree of n nodes reaches depth n at most
+            count = self.declared[s] = node_count(drafter, s)
+            if count is not None and limit[s]:
+                limit[s] = min(limit[s], count(limit[s]))
             if known is None:
                 unknown.append(s)
             self.key[s] = drafter.proposal_key(s) if hasattr(drafter, "proposal_key") else s

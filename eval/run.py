@@ -130,25 +130,29 @@ def _check_engine(engine: str, head_meta: dict[str, Any] | None, drafter: str, t
 
 
 def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, head_dir: str | Path | None,
-          drafter: str, baselines: Sequence[str], tree: str, draft_dtype: str = "auto",
+          drafter: str, baselines: Sequence[str], ev: EvalConfig,
           log: Callable[[str], None] = print) -> tuple[Target, Subject]:
     """The target (or the one already in memory) and the head on its device, in the dtype it drafts in
-    (eval.draft_dtype); the methods to run."""
+    (eval.draft_dtype); the methods to run, whose drafters follow eval.tree (and its sizes)."""
     model, tok, io = loaded if loaded is not None else load_target(target_cfg, decode=True, verify=True)
     device = next(model.parameters()).device
     head = head_cfg = drafts_in = None
     if head_dir is not None:
         head, head_cfg, _ = load_head(head_dir, io)  # refuses another target's head, naming why
         # the head casts the target's features and embeddings to its own dtype (each family's drafter)
-        drafts_in = dtype_name(place_head(head, device, next(model.parameters()).dtype, draft_dtype, log))
+        drafts_in = dtype_name(place_head(head, device, next(model.parameters()).dtype, ev.draft_dtype, log))
     hybrid = drafter == "head+ngram"
     name = head_cfg.family if head_cfg is not None else "head"
     main = "ngram" if drafter == "ngram" else f"{name}+ngram" if hybrid else name
     methods = [main] + ([name] if hybrid else []) + [b for b in baselines if b != main]
 
+    # a dynamic tree's sizes go to the families that have one (check_eval_tree refuses it for the others)
+    sizes = {"topk": ev.tree_topk, "tokens": ev.tree_tokens} if ev.tree == "dynamic" else {}
+
     def factory(k: int) -> Callable[[], Drafter]:
         # the family maps eval.tree onto its own options (HeadError, one line, for a tree it does not have)
-        return NgramDrafter if drafter == "ngram" else registry.get(head_cfg.family).drafter_factory(head, io, tree, k)
+        return NgramDrafter if drafter == "ngram" else \
+            registry.get(head_cfg.family).drafter_factory(head, io, ev.tree, k, **sizes)
 
     target = Target(model, tok, io, device, eos_ids(model, tok))
     return target, Subject(drafter, head_cfg, main, methods, factory, drafts_in)
@@ -157,7 +161,8 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
 def _plan_line(target_cfg: TargetConfig, subject: Subject, costs: Costs, cfg_eval: EvalConfig,
                questions: dict[str, list[Question]]) -> str:
     """The log line that says what runs, before the turns start."""
-    return (f"eval: target {target_cfg.name_or_path}, drafter {subject.main}, k {costs.k} "
+    tree = f" (top-{cfg_eval.tree_topk}, {cfg_eval.tree_tokens} nodes)" if cfg_eval.tree == "dynamic" else ""
+    return (f"eval: target {target_cfg.name_or_path}, drafter {subject.main}, tree {cfg_eval.tree}{tree}, k {costs.k} "
             f"({'config' if cfg_eval.num_draft_tokens else 'chosen from measured costs and calibration'}), "
             f"policy {cfg_eval.policy}, n-gram baseline k {costs.k_ng}, methods "
             f"{', '.join(['plain'] + subject.methods)}, benchmarks {', '.join(questions)}")
@@ -244,8 +249,7 @@ def evaluate(
     head_meta, target_cfg = _resolve_target(head_dir, target_cfg)
     questions = {bench_name(b): load_questions(b, cfg_eval.max_questions) for b in cfg_eval.bench}
     _check_engine(engine, head_meta, drafter, cfg_eval.tree)
-    target, subject = _load(target_cfg, loaded, head_dir, drafter, baselines, cfg_eval.tree, cfg_eval.draft_dtype,
-                            log)
+    target, subject = _load(target_cfg, loaded, head_dir, drafter, baselines, cfg_eval, log)
     costs = measure_costs(target, subject, cfg_eval, questions)
     log(_plan_line(target_cfg, subject, costs, cfg_eval, questions))
     served: Served | None = {} if engine == "vllm" else None

@@ -56,7 +56,8 @@ class Family:
     build            (cfg, target: TargetIO) -> a fresh head holding none of the target's weights
     loss             (head, batch, target) -> (loss, metrics with per-position top-1 `top1/0`, ...)
     drafter_factory  (head, target, tree, k) -> () -> a fresh Drafter; maps eval.tree onto the family's
-                     options and raises HeadError for a tree outside `trees`
+                     options and raises HeadError for a tree outside `trees`; a family with "dynamic" in
+                     `trees` also takes its sizes as keywords `topk` and `tokens` (eval.tree_topk, tree_tokens)
     trees            the eval.tree values besides "auto" (always mapped) that drafter_factory accepts
     prepare          optional (cfg, train_dataset, target) -> {tensor name: initial value} from the data
     reads            (cfg) -> the optional store keys its loss reads (TARGET_ARGMAX, or none)

@@ -155,6 +155,9 @@ class Drafter(Protocol):
     A drafter whose drafts stop at a fixed depth (DFlash's drafting slots, MTP's separate modules, Medusa's
     tree) also has `max_depth`, that depth: a draft(k) call returns at most that many tokens deep whatever k
     is, and eval.policy prices no deeper. Absent or None: no limit (EAGLE's chains and trees, the n-gram).
+    A drafter may also have `nodes(k)`, how many nodes draft(k) returns: eval.policy prices a pass's verify
+    rows by it (EAGLE-2's dynamic tree keeps a node budget that is no multiple of its depth); absent, the
+    policy learns the nodes per depth from the trees it sees.
     """
 
     # hidden_states indices the drafter needs from every target pass (`aux`); None = no features at all,

@@ -312,6 +312,11 @@ MUTANTS: list[Mutant] = [
            "            if deepest is not None:",
            "            if False:",
            ("tests/test_policy.py", "-k", "deeper_than_the_drafter")),
+    # a dynamic tree priced at its learned nodes per depth, not at the nodes its drafter says it drafts
+    Mutant("policy_ignores_declared_nodes", "eval/policy.py",
+           "        count = self.declared.get(source)",
+           "        count = None",
+           ("tests/test_policy.py", "-k", "nodes_its_drafter")),
     # a skinny layer pads its rows for a cheaper product and keeps the padding's rows instead of its own
     Mutant("skinny_keeps_padding_rows", "data/packed.py",
            "        y = _kernel(kernel, flat, self.weight, self._wt)[:rows].contiguous()",

@@ -359,6 +359,30 @@ def test_dynamic_tree_is_topological_and_ancestor_closed(tiny_target):
     assert torch.allclose(sampled.probs.sum(-1), torch.ones(10), atol=1e-5)
 
 
+def test_nodes_is_how_many_nodes_each_draft_returns(tiny_target):
+    """eval.policy prices a pass's verify rows by `nodes(k)`: it must be len(draft(k)) for chains and for
+    dynamic trees whose budget binds (total_tokens) or does not (top_k, then top_k^2 per depth)."""
+    model, _, io = tiny_target
+    _, head = _eagle3(io)
+    ids = torch.randint(0, io.vocab_size, (1, 8), generator=torch.Generator().manual_seed(4))
+    feats, _ = forward_features(model, ids, None, head.layer_ids)
+    for kw in ({"tree": "chain"}, {"tree": "chain", "depth": 2}, {"tree": "dynamic", "top_k": 2, "total_tokens": 3},
+               {"tree": "dynamic", "top_k": 3, "total_tokens": 60}, {"tree": "dynamic", "top_k": 2, "total_tokens": 7}):
+        d = eagle.drafter(head, io, **kw)
+        d.begin(ids, feats, 5)
+        for k in range(5):
+            assert d.nodes(k) == len(d.draft(k, 0.0)), (kw, k)
+
+
+def test_factory_hands_a_dynamic_tree_its_sizes(tiny_target):
+    """eval.tree_topk and eval.tree_tokens reach the drafter (eval/run.py passes them for tree: dynamic)."""
+    _, _, io = tiny_target
+    _, head = _eagle3(io)
+    d = eagle.drafter_factory(head, io, "dynamic", 3, topk=2, tokens=5)()
+    assert (d.tree, d.top_k, d.total_tokens) == ("dynamic", 2, 5)
+    assert eagle.drafter_factory(head, io, "dynamic", 3)().total_tokens == 60  # EAGLE-2's own defaults
+
+
 def test_dynamic_tree_of_one_child_per_node_is_the_chain_row_for_row(tiny_target):
     """top_k = 1 makes the EAGLE-2 tree a chain: every draft row must see the same token, hidden input, keys
     and RoPE position as the chain drafter's (depth-d node at position n-1+d), so the logits agree."""

@@ -264,6 +264,37 @@ def test_no_draft_is_priced_deeper_than_the_drafter_can_draft(sharp_model):  # n
     assert got == {"mtp": 2, "mtp recursive": None, "medusa": 3, "eagle3": None}
 
 
+def test_a_tree_is_priced_at_the_nodes_its_drafter_says_it_drafts():
+    """Mutant policy_ignores_declared_nodes: EAGLE-2's dynamic tree of top_k 2 and 3 nodes drafts 2 nodes at
+    depth 1 and 3 at any depth after (EagleDrafter.nodes). Priced at its learned width (2 nodes a depth), depth
+    3 would look like 6 nodes past the flat part of the verify curve; priced at its own count it is 3 nodes,
+    and no deeper than 3 (3 nodes reach depth 3 at most): alone, and as a hybrid's head through DeferredSync."""
+
+    class Tree:
+        capture_layers = None
+
+        def nodes(self, k):
+            return min(3, 2 * k)
+
+    steep = VerifyCost({1: 1.0, 4: 1.0, 5: 3.0, 17: 3.0}, context_len=64)
+    pol = AdaptivePolicy(steep, {"draft": DraftCost(0.0, 0.0)}, {"draft": [0.5]}, k_max=8)
+    pol.reset(0)
+    pol.width["draft"] = 2.0  # what the trees of 2 nodes at depth 1 taught it
+    assert pol.choose(type("Undeclared", (), {"capture_layers": None})(), 10) == {"draft": 1}
+    assert pol.choose(Tree(), 10) == {"draft": 3}
+    assert pol.expected({"draft": 3})[2] == 3
+
+    class Hybrid(HybridDrafter):
+        def proposal(self, source, k):
+            return 0 if source == "ngram" else None  # no n-gram match this pass
+
+    pol = AdaptivePolicy(steep, {s: DraftCost(0.0, 0.0) for s in ("head", "ngram")},
+                         {"head": [0.5], "ngram": [0.5]}, k_max=8)
+    pol.reset(0)
+    pol.width["head"] = 2.0
+    assert pol.choose(Hybrid(Tree()), 10) == {"head": 3, "ngram": 0}
+
+
 def test_the_ngram_is_priced_by_its_match_order():
     """Mutant ngram_priced_as_one_average: the hybrid's n-gram proposals alternate between 3-token matches whose
     two drafted tokens are always accepted and 1-token matches whose drafts never are. Two tokens pay only when

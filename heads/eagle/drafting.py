@@ -1,7 +1,8 @@
 """The EAGLE drafter (the decoder's adapter, heads.types.Drafter): chains, or EAGLE-2 dynamic trees.
 
     d = drafter(head, target, tree="chain" | "dynamic", top_k=10, total_tokens=60, depth=None, generator=None)
-    make = drafter_factory(head, target, tree="auto", k=4)   # eval.tree mapped onto these options
+    make = drafter_factory(head, target, tree="auto", k=4)   # eval.tree (and tree_topk, tree_tokens) mapped
+    d.nodes(3)                                               # the nodes draft(3) returns (eval.policy prices it)
 
 The head's own KV cache (transformers' DynamicCache, see heads.cache) holds the committed rows; draft rows are
 appended while drafting and cropped away at the end of `draft`, and `commit` recomputes the accepted rows from
@@ -219,6 +220,18 @@ class EagleDrafter:
         finally:
             crop_to(self.cache, self.n)  # drop the draft rows: only committed rows stay
 
+    def nodes(self, k: int) -> int:
+        """How many nodes draft(k) returns (heads.types.Drafter; eval.policy prices a pass by it): a chain's
+        depth; a dynamic tree's `total_tokens`, or fewer when its depth generates fewer candidates (top_k at
+        the first depth, top_k^2 at each one after)."""
+        depth = min(k, self.depth) if self.depth else k
+        if depth <= 0:
+            return 0
+        if self.tree == "chain":
+            return depth
+        width = self.top_k if self.last_logits is None else min(self.top_k, self.last_logits.numel())  # as the pool
+        return min(self.total_tokens, width + width * width * (depth - 1))
+
     def _draft_chain(self, k: int, temperature: float) -> DraftTree:
         logits, hidden = self.last_logits, self.last_o
         tokens: list[int] = []
@@ -398,9 +411,13 @@ def drafter(head: nn.Module, target: TargetIO, **kw: Any) -> EagleDrafter:
     return EagleDrafter(head, target, **kw)
 
 
-def drafter_factory(head: nn.Module, target: TargetIO, tree: str = "auto", k: int = 4) -> Callable[[], EagleDrafter]:
-    """Fresh drafters for eval.tree: auto (the default chain), chain or dynamic (EAGLE-2); `k` is unused
-    (the depth comes with each draft call). Any other tree raises HeadError naming the head's family."""
+def drafter_factory(head: nn.Module, target: TargetIO, tree: str = "auto", k: int = 4, topk: int = 10,
+                    tokens: int = 60) -> Callable[[], EagleDrafter]:
+    """Fresh drafters for eval.tree: auto (the default chain), chain or dynamic (EAGLE-2: `topk` children per
+    expanded node, `tokens` nodes verified; eval.tree_topk and eval.tree_tokens); `k` is unused (the depth
+    comes with each draft call). Any other tree raises HeadError naming the head's family."""
     check_eval_tree(tree, head.family, TREES)
     kw: dict[str, Any] = {} if tree == "auto" else {"tree": tree}
+    if tree == "dynamic":
+        kw.update(top_k=topk, total_tokens=tokens)
     return lambda: drafter(head, target, **kw)
