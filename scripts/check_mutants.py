@@ -317,6 +317,11 @@ MUTANTS: list[Mutant] = [
            "        count = self.declared.get(source)",
            "        count = None",
            ("tests/test_policy.py", "-k", "nodes_its_drafter")),
+    # EAGLE-2's tree leaves unexpanded a node that could still make the selection (the cutoff two nodes early)
+    Mutant("dynamic_tree_prunes_live_nodes", "heads/eagle/drafting.py",
+           "        return sorted((c.score for c in self.nodes), reverse=True)[total - 1]",
+           "        return sorted((c.score for c in self.nodes), reverse=True)[max(total - 3, 0)]",
+           ("tests/test_eagle.py", "-k", "cannot_make_the_selection")),
     # a skinny layer pads its rows for a cheaper product and keeps the padding's rows instead of its own
     Mutant("skinny_keeps_padding_rows", "data/packed.py",
            "        y = _kernel(kernel, flat, self.weight, self._wt)[:rows].contiguous()",

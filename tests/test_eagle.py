@@ -374,6 +374,53 @@ def test_nodes_is_how_many_nodes_each_draft_returns(tiny_target):
             assert d.nodes(k) == len(d.draft(k, 0.0)), (kw, k)
 
 
+def test_dynamic_tree_skips_only_expansions_that_cannot_make_the_selection(tiny_target, monkeypatch):
+    """Mutant dynamic_tree_prunes_live_nodes: CandidatePool.cutoff leaves unexpanded the nodes scoring below the
+    total_tokens-th best so far. Over random peaked draft distributions (a top child often keeps most of its
+    parent's probability, as a trained head's does: only then is a node near the cutoff worth expanding), the
+    trees must be those of expanding every node (cutoff -inf), node for node, while rows are saved."""
+    _, _, io = tiny_target
+    _, head = _eagle3(io)
+    vocab = 12
+
+    def row(path: tuple[int, ...]) -> torch.Tensor:  # the draft logits after `path`, the same whenever asked
+        g = torch.Generator().manual_seed(hash(path) % (2**31))
+        return torch.randn(vocab, generator=g) * float(torch.empty(1).uniform_(1.0, 6.0, generator=g))
+
+    def path(pool, i):
+        out = []
+        while i >= 0:
+            out.append(pool.nodes[i].token)
+            i = pool.nodes[i].parent
+        return tuple(reversed(out))
+
+    expanded, request = [], [0]  # rows per head pass; the request whose distributions are drawn
+
+    def fake_expand(self, pool, expand):
+        expanded.append(len(expand))
+        return torch.stack([row((request[0],) + path(pool, i)) for i in expand])
+
+    monkeypatch.setattr(eagle.EagleDrafter, "_expand", fake_expand)
+
+    def trees():
+        out = []
+        for seed in range(60):
+            for top_k, total, depth in ((2, 3, 3), (3, 4, 4), (2, 5, 5), (4, 6, 3)):
+                d = eagle.drafter(head, io, tree="dynamic", top_k=top_k, total_tokens=total)
+                request[0] = seed
+                d.last_logits = row((seed,))
+                t = d._draft_dynamic(depth, 0.0)
+                out.append((t.tokens.tolist(), t.parents.tolist()))
+        return out
+
+    pruned, pruned_rows = trees(), sum(expanded)
+    expanded.clear()
+    monkeypatch.setattr(eagle.CandidatePool, "cutoff", lambda self, total: float("-inf"))
+    full, full_rows = trees(), sum(expanded)
+    assert pruned == full
+    assert pruned_rows < 0.8 * full_rows
+
+
 def test_factory_hands_a_dynamic_tree_its_sizes(tiny_target):
     """eval.tree_topk and eval.tree_tokens reach the drafter (eval/run.py passes them for tree: dynamic)."""
     _, _, io = tiny_target
