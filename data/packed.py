@@ -308,7 +308,6 @@ def _time_passes(model: nn.Module, variants: Mapping[str, Sequence[nn.Module]], 
     return {kind: [statistics.median(times[kind, n]) for n in rows] for kind in kinds}
 
 
-
 def choose_kernels(model: nn.Module, rows: tuple[int, ...] = AUTO_ROWS, context: int = 128,
                    repeats: int = 3) -> str:
     """Time `model`'s passes with its linears dense, packed and skinny on this machine; keep the fastest.

@@ -65,19 +65,24 @@ __all__ = ["AdaptivePolicy", "LearnedVerifyCost", "depth_limit", "isotonic", "me
 MAX_PROBE_GAP_FACTOR = 8  # re-probes back off from probe_every to at most 8 * probe_every plain passes
 
 
+def _stated(drafter: Any, source: str, name: str) -> Any:
+    """What `drafter` states as `name` for `source`: a multi-proposer drafter's `<name>_of(source)`, else its own
+    `name` attribute; None where it states nothing."""
+    of = getattr(drafter, f"{name}_of", None)
+    return of(source) if of is not None else getattr(drafter, name, None)
+
+
 def node_count(drafter: Any, source: str = "draft") -> Callable[[int], int] | None:
     """How many nodes `source` of `drafter` drafts at each length, where the drafter says (heads.types.Drafter's
     `nodes`: EAGLE-2's dynamic tree, whose node budget is not a multiple of its depth; a hybrid's head's via
     `nodes_of`); None = learn it from the trees drafted (nodes per depth, 1 for chains)."""
-    of = getattr(drafter, "nodes_of", None)
-    return of(source) if of is not None else getattr(drafter, "nodes", None)
+    return _stated(drafter, source, "nodes")
 
 
 def depth_limit(drafter: Any, source: str = "draft") -> int | None:
     """How deep `source` of `drafter` can draft at all (heads.types.Drafter's max_depth: DFlash's drafting slots,
     MTP's separate modules, Medusa's tree; a hybrid's head's via max_depth_of); None = no limit."""
-    of = getattr(drafter, "max_depth_of", None)
-    return of(source) if of is not None else getattr(drafter, "max_depth", None)
+    return _stated(drafter, source, "max_depth")
 
 
 def measured_prior(stats: GenerationStats) -> list[float]:

@@ -239,8 +239,12 @@ class EagleDrafter:
             return 0
         if self.tree == "chain":
             return depth
-        width = self.top_k if self.last_logits is None else min(self.top_k, self.last_logits.numel())  # as the pool
+        width = self._width()
         return min(self.total_tokens, width + width * width * (depth - 1))
+
+    def _width(self) -> int:
+        """Children per expanded node of a dynamic tree: top_k, or the head's whole vocabulary if smaller."""
+        return self.top_k if self.last_logits is None else min(self.top_k, self.last_logits.numel())
 
     def _draft_chain(self, k: int, temperature: float) -> DraftTree:
         logits, hidden = self.last_logits, self.last_o
@@ -379,7 +383,7 @@ class EagleDrafter:
             d.last_o, d.last_logits = last[i:i + 1], logits[i, 0]
 
     def _draft_dynamic(self, depth: int, temperature: float) -> DraftTree:
-        pool = CandidatePool(min(self.top_k, self.last_logits.numel()), temperature)
+        pool = CandidatePool(self._width(), temperature)
         frontier = pool.add_children(self.last_logits, -1)
         for _ in range(2, depth + 1):  # the children of depth 2 .. depth
             floor = pool.cutoff(self.total_tokens)
