@@ -416,7 +416,7 @@ def assemble_report(target_cfg: TargetConfig, head_dir: str | Path | None, subje
         "k": costs.k,
         "k_source": "eval.num_draft_tokens" if cfg_eval.num_draft_tokens is not None
         else "eval.costs.choose_k: calibration acceptance and draft cost, measured verify curve",
-        "tree": cfg_eval.tree,
+        "tree": costs.tree["used"],  # eval.tree, or what "auto" became (costs.tree says why)
         "policy": cfg_eval.policy,
         "cache": cfg_eval.cache,
         "ngram_k": costs.k_ng,

@@ -131,9 +131,11 @@ def _check_engine(engine: str, head_meta: dict[str, Any] | None, drafter: str, t
 
 def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, head_dir: str | Path | None,
           drafter: str, baselines: Sequence[str], ev: EvalConfig,
-          log: Callable[[str], None] = print) -> tuple[Target, Subject]:
+          log: Callable[[str], None] = print, engine: str = "builtin") -> tuple[Target, Subject]:
     """The target (or the one already in memory) and the head on its device, in the dtype it drafts in
-    (eval.draft_dtype); the methods to run, whose drafters follow eval.tree (and its sizes)."""
+    (eval.draft_dtype); the methods to run, whose drafters follow eval.tree (and its sizes). Where eval.tree is
+    "auto", the family has a dynamic tree and the engine is the built-in one (--engine vllm compares chains), the
+    Subject also carries the sized tree factories the cost stage may choose instead (eval.calibrate.choose_tree)."""
     model, tok, io = loaded if loaded is not None else load_target(target_cfg, decode=True, verify=True)
     device = next(model.parameters()).device
     head = head_cfg = drafts_in = None
@@ -154,15 +156,20 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
         return NgramDrafter if drafter == "ngram" else \
             registry.get(head_cfg.family).drafter_factory(head, io, ev.tree, k, **sizes)
 
+    def sized(topk: int, tokens: int) -> Callable[[int], Callable[[], Drafter]]:
+        return lambda k: registry.get(head_cfg.family).drafter_factory(head, io, "dynamic", k, topk=topk,
+                                                                       tokens=tokens)
+
+    may_tree = (ev.tree == "auto" and engine == "builtin" and head_cfg is not None and drafter != "ngram"
+                and "dynamic" in registry.get(head_cfg.family).trees)
     target = Target(model, tok, io, device, eos_ids(model, tok))
-    return target, Subject(drafter, head_cfg, main, methods, factory, drafts_in)
+    return target, Subject(drafter, head_cfg, main, methods, factory, drafts_in, sized if may_tree else None)
 
 
 def _plan_line(target_cfg: TargetConfig, subject: Subject, costs: Costs, cfg_eval: EvalConfig,
                questions: dict[str, list[Question]]) -> str:
     """The log line that says what runs, before the turns start."""
-    tree = f" (top-{cfg_eval.tree_topk}, {cfg_eval.tree_tokens} nodes)" if cfg_eval.tree == "dynamic" else ""
-    return (f"eval: target {target_cfg.name_or_path}, drafter {subject.main}, tree {cfg_eval.tree}{tree}, k {costs.k} "
+    return (f"eval: target {target_cfg.name_or_path}, drafter {subject.main}, tree {costs.tree_text()}, k {costs.k} "
             f"({'config' if cfg_eval.num_draft_tokens else 'chosen from measured costs and calibration'}), "
             f"policy {cfg_eval.policy}, n-gram baseline k {costs.k_ng}, methods "
             f"{', '.join(['plain'] + subject.methods)}, benchmarks {', '.join(questions)}")
@@ -249,8 +256,8 @@ def evaluate(
     head_meta, target_cfg = _resolve_target(head_dir, target_cfg)
     questions = {bench_name(b): load_questions(b, cfg_eval.max_questions) for b in cfg_eval.bench}
     _check_engine(engine, head_meta, drafter, cfg_eval.tree)
-    target, subject = _load(target_cfg, loaded, head_dir, drafter, baselines, cfg_eval, log)
-    costs = measure_costs(target, subject, cfg_eval, questions)
+    target, subject = _load(target_cfg, loaded, head_dir, drafter, baselines, cfg_eval, log, engine)
+    costs, subject = measure_costs(target, subject, cfg_eval, questions, log)
     log(_plan_line(target_cfg, subject, costs, cfg_eval, questions))
     served: Served | None = {} if engine == "vllm" else None
     runs = Turns(target, subject, costs, cfg_eval, seed, served).run(questions)

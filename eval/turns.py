@@ -88,6 +88,9 @@ class Subject:
     methods: list[str]  # main first, then the head alone beside a hybrid, then the baselines
     factory: Callable[[int], Callable[[], Drafter]]  # draft length -> a factory of fresh drafters
     draft_dtype: str | None = None  # the dtype the head drafts in (eval.draft_dtype resolved); None without a head
+    # (topk, tokens) -> the factory of EAGLE-2 dynamic trees of that size: set where eval.tree "auto" may turn
+    # into a tree sized from the measured verify curve (eval.calibrate.measure_costs), else None
+    sized: Callable[[int, int], Callable[[int], Callable[[], Drafter]]] | None = None
 
     @property
     def hybrid(self) -> bool:

@@ -7,18 +7,21 @@ prompts built from the target's own answers, benchmark loading, and the refusal 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
 
+import eval.calibrate as calibrate_mod
 import eval.run as run
 import eval.turns as turns
 from data.config import EvalConfig, TargetConfig
 from data.prompts import BENCHMARK_FILES, benchmark_index
 from data.readers import DataError, read_records
 from eval.bench import load_questions
-from eval.calibrate import CALIBRATION_FILE
-from eval.costs import shrunk_rates
+from eval.calibrate import CALIBRATION_FILE, free_nodes
+from eval.costs import DraftCost, VerifyCost, shrunk_rates
+from eval.decoder import GenerationStats
 from eval.report import PLOTS, markdown
 from eval.speedup import extend_rates
 from heads import registry
@@ -329,3 +332,98 @@ def test_smollm2_ngram_eval(tmp_path):
     assert b["identical"] is True and b["tau"] >= 1.0 and b["speedup"] > 0
     assert report["speedup_model"]["measured"]["k"] == 3
     assert all(m["identical"] for r in report["batch_sweep"]["rows"] for m in r["methods"].values())
+
+
+def _curve(ms: dict[int, float]) -> VerifyCost:
+    return VerifyCost({n: t / 1000 for n, t in ms.items()}, context_len=64)
+
+
+SKINNY = {1: 57, 2: 56, 3: 58, 4: 59, 5: 68, 6: 70, 7: 72, 8: 75, 9: 78, 16: 100, 32: 150, 64: 260}  # AVX2 EPYC
+
+
+def test_free_nodes_are_the_draft_nodes_a_pass_verifies_for_about_the_price_of_none():
+    """eval.calibrate.free_nodes: n nodes cost a pass of n + 1 tokens; a GPU-flat curve gives the cap
+    (eval.tree_tokens), the skinny-kernel EPYC's (T(1..4) flat, T(5) 1.2x) 3, a Xeon's rising curve none; a dip is pooled
+    (isotonic), so noise below T(1) opens no free rows past a real rise (mutant free_nodes_count_the_root)."""
+    assert free_nodes(_curve(SKINNY), 60) == 3
+    assert free_nodes(_curve(SKINNY), 2) == 2
+    flat = _curve({n: 10.0 + n / 100 for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32, 64)})
+    assert free_nodes(flat, 60) == 60 and free_nodes(flat, 10) == 10
+    assert free_nodes(_curve({1: 57, 2: 68, 3: 80, 4: 90, 6: 125}), 60) == 0
+    assert free_nodes(_curve({1: 60, 2: 50, 3: 64, 4: 90}), 60) == 1  # T(1) and T(2) are both ~55 ms
+
+
+class _Cal:
+    """What choose_tree reads of a calibration: stats (tau, nodes per pass) and the draft cost line."""
+
+    def __init__(self, tau: float, nodes: int):
+        self.stats = GenerationStats(target_passes=10, accepted_tokens=round(10 * (tau - 1)), nodes_per_pass=[nodes] * 10)
+        self.draft_cost = DraftCost(0.002, 0.0)
+
+
+@pytest.mark.parametrize("tree_tau, want", [(1.9, "dynamic"), (1.3, "chain")])
+def test_eval_tree_auto_drafts_the_tree_its_calibration_prices_above_the_chain(monkeypatch, tree_tau, want):
+    """eval.tree auto (choose_tree): a tree of free_nodes(...) nodes, its children at most eval.tree_topk, is
+    calibrated beside the chain and replaces it only when its calibration, every pass drafting the whole tree
+    priced by the measured curve, predicts more than the chain's best k (chain 1.45x here; the tree at tau 1.9
+    over 3 nodes, 2 ms of drafting and T(4) = 59 ms predicts 1.78x, at tau 1.3 1.21x)."""
+    sized_calls: list[tuple[int, int]] = []
+
+    def sized(topk, tokens):
+        sized_calls.append((topk, tokens))
+        return lambda k: ("tree", topk, tokens)
+
+    calibrated: list[Any] = []
+
+    def fake_calibrate(target, subject, prompts, verify):
+        calibrated.append(subject.factory(8))
+        return _Cal(tree_tau, 3), 3, 1.7
+
+    monkeypatch.setattr(calibrate_mod, "calibrate_drafter", fake_calibrate)
+    subject = turns.Subject("head", None, "eagle3", ["eagle3"], lambda k: ("chain", k), sized=sized)
+    chain = (_Cal(1.5, 2), 2, 1.45)
+    got, chosen, record = calibrate_mod.choose_tree(None, subject, EvalConfig(), [], _curve(SKINNY), chain,
+                                                    log=lambda s: None)
+    assert sized_calls == [(3, 3)] and calibrated == [("tree", 3, 3)]
+    assert record["used"] == want and record["free_nodes"] == 3 and record["chain_predicted_speedup"] == 1.45
+    if want == "dynamic":
+        assert got.factory(4) == ("tree", 3, 3) and chosen[1:] == (3, 1.7)
+        assert record["topk"] == 3 and record["tokens"] == 3 and abs(record["tree_predicted_speedup"] - 1.9 * 57 / 61) < 1e-9
+    else:
+        assert got is subject and chosen is chain
+    # a curve that prices the first drafted node keeps chains without calibrating a tree
+    calibrated.clear()
+    got, chosen, record = calibrate_mod.choose_tree(None, subject, EvalConfig(), [],
+                                                    _curve({1: 57, 2: 68, 3: 80}), chain, log=lambda s: None)
+    assert got is subject and chosen is chain and not calibrated and record["used"] == "chain"
+
+
+def test_eval_tree_auto_reaches_the_turns_the_sweep_and_the_report(tmp_path, tiny_target, monkeypatch):
+    """The tree eval.tree auto chose is what every head-drafting method drafts: the turns (the report's
+    speedup_model sees trees of up to eval.tree_tokens nodes), the batch sweep, report.json's tree and
+    costs.tree, the plan line; greedy outputs stay identical. An untrained head accepts nothing, so the
+    decision is forced here (a flat verify curve, a tree priced to win; policy fixed, or no pass would draft);
+    choose_tree's own test above covers it. --engine vllm compares chains, so there auto never becomes a tree
+    (no sized factories)."""
+    folder = _head(tmp_path, tiny_target, "head")
+    flat = _curve({n: 1.0 for n in calibrate_mod.VERIFY_SIZES})
+    monkeypatch.setattr(calibrate_mod, "measure_verify_cost", lambda *a, **kw: flat)
+    monkeypatch.setattr(calibrate_mod, "ideal_speedup", lambda *a: 5.0)
+    real = calibrate_mod.calibrate_drafter
+    monkeypatch.setattr(calibrate_mod, "calibrate_drafter", lambda *a: (lambda c: (c[0], max(c[1], 2), 1.2))(real(*a)))
+    lines: list[str] = []
+    cfg = _cfg(num_draft_tokens=None, tree_tokens=3, max_new_tokens=10, batch_sizes=[1], policy="fixed")
+    report = run.evaluate(folder, cfg, tmp_path / "ev", TargetConfig(name_or_path="tiny-random-llama"), baselines=[],
+                          loaded=tiny_target, sweep_new_tokens=4, log=lines.append)
+    assert report["tree"] == "dynamic"
+    assert report["costs"]["tree"] | {"tree_predicted_speedup": None} == {
+        "configured": "auto", "used": "dynamic", "free_nodes": 3, "free_node_tolerance": 0.1, "topk": 3, "tokens": 3,
+        "chain_predicted_speedup": 1.2, "tree_predicted_speedup": None}
+    assert any("tree dynamic (top-3, 3 nodes; chosen by eval.tree auto)" in s for s in lines)
+    b = report["benchmarks"]["mt_bench"]
+    assert b["identical"] is True
+    assert report["speedup_model"]["tree"]["nodes"] > 1  # the head drafted trees, not chains (no "tree" then)
+    assert all(m["identical"] for r in report["batch_sweep"]["rows"] for m in r["methods"].values())
+    _, vllm_subject = run._load(TargetConfig(name_or_path="tiny-random-llama"), tiny_target, folder, "head", [],
+                                _cfg(num_draft_tokens=None), engine="vllm")
+    assert vllm_subject.sized is None

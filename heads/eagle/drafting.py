@@ -430,7 +430,8 @@ def drafter(head: nn.Module, target: TargetIO, **kw: Any) -> EagleDrafter:
 
 def drafter_factory(head: nn.Module, target: TargetIO, tree: str = "auto", k: int = 4, topk: int = 10,
                     tokens: int = 60) -> Callable[[], EagleDrafter]:
-    """Fresh drafters for eval.tree: auto (the default chain), chain or dynamic (EAGLE-2: `topk` children per
+    """Fresh drafters for eval.tree: auto (a chain; the eval may first resolve auto to a dynamic tree sized by the
+    verify curve, eval.calibrate.choose_tree), chain or dynamic (EAGLE-2: `topk` children per
     expanded node, `tokens` nodes verified; eval.tree_topk and eval.tree_tokens); `k` is unused (the depth
     comes with each draft call). Any other tree raises HeadError naming the head's family."""
     check_eval_tree(tree, head.family, TREES)
