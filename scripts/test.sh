@@ -30,7 +30,8 @@ if [ "${1:-}" = "-m" ] && [ "${2:-}" = "slurm" ]; then
   exec .venv/bin/python -m pytest -q --timeout=1800 -m slurm tests/test_slurm.py
 fi
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q "$@"
+# the slowest tests in every log: the default suite must stay under 10 minutes on 2 cores
+.venv/bin/python -m pytest -q --durations=15 "$@"
 if [ "${CI:-}" = "true" ] && [ "$#" -eq 0 ]; then
   echo "== CI: mutation check, quick list (scripts/check_mutants.py --quick)"
   OMP_NUM_THREADS=1 .venv/bin/python scripts/check_mutants.py --quick
