@@ -151,19 +151,19 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
     # a dynamic tree's sizes go to the families that have one (check_eval_tree refuses it for the others)
     sizes = {"topk": ev.tree_topk, "tokens": ev.tree_tokens} if ev.tree == "dynamic" else {}
 
-    def factory(k: int) -> Callable[[], Drafter]:
+    def drafters(tree: str, **tree_sizes: int) -> Callable[[int], Callable[[], Drafter]]:
         # the family maps eval.tree onto its own options (HeadError, one line, for a tree it does not have)
-        return NgramDrafter if drafter == "ngram" else \
-            registry.get(head_cfg.family).drafter_factory(head, io, ev.tree, k, **sizes)
+        return lambda k: NgramDrafter if drafter == "ngram" else \
+            registry.get(head_cfg.family).drafter_factory(head, io, tree, k, **tree_sizes)
 
     def sized(topk: int, tokens: int) -> Callable[[int], Callable[[], Drafter]]:
-        return lambda k: registry.get(head_cfg.family).drafter_factory(head, io, "dynamic", k, topk=topk,
-                                                                       tokens=tokens)
+        return drafters("dynamic", topk=topk, tokens=tokens)
 
     may_tree = (ev.tree == "auto" and engine == "builtin" and head_cfg is not None and drafter != "ngram"
                 and "dynamic" in registry.get(head_cfg.family).trees)
     target = Target(model, tok, io, device, eos_ids(model, tok))
-    return target, Subject(drafter, head_cfg, main, methods, factory, drafts_in, sized if may_tree else None)
+    return target, Subject(drafter, head_cfg, main, methods, drafters(ev.tree, **sizes), drafts_in,
+                           sized if may_tree else None)
 
 
 def _plan_line(target_cfg: TargetConfig, subject: Subject, costs: Costs, cfg_eval: EvalConfig,
