@@ -133,18 +133,24 @@ def free_nodes(verify: VerifyCost, cap: int, tolerance: float = FREE_NODE_TOLERA
 def choose_tree(target: Target, subject: Subject, cfg_eval: EvalConfig, prompts: list[torch.Tensor],
                 verify: VerifyCost, chain: tuple[Calibration, int, float],
                 log: Callable[[str], None] = print) -> tuple[Subject, tuple[Calibration, int, float], dict[str, Any]]:
-    """eval.tree "auto" resolved: a dynamic tree of w = free_nodes(...) nodes (at most eval.tree_tokens, each
-    node's children at most eval.tree_topk) when w >= 2 and its calibration, priced by the measured curve and
-    draft cost with every pass drafting the whole tree (ideal_speedup), beats the chain's predicted speedup
-    (at its best k; 1.0 when plain decoding is predicted fastest); else the chain. Returns the subject drafting
-    it, its calibration (calibrate_drafter's triple) and report.json's costs.tree."""
+    """eval.tree "auto" resolved: a dynamic tree of w nodes (at most eval.tree_tokens, each node's children at
+    most eval.tree_topk) when w >= 2 and its calibration, priced by the measured curve and draft cost with every
+    pass drafting the whole tree (ideal_speedup), beats the chain's predicted speedup (at its best k; 1.0 when
+    plain decoding is predicted fastest); else the chain. w is the larger of free_nodes(...) and the chain's best
+    k: a tree of the chain's k nodes verifies the same k + 1 rows the chain was found to pay for, and EAGLE-2's
+    tree spends them on the head's likeliest paths, the chain's among them (on the AMD EPYC the curve took one
+    free node, T(4) = 1.15 T(1), and the chain drafted 3: a 3-node tree was never tried). Returns the subject
+    drafting it, its calibration (calibrate_drafter's triple) and report.json's costs.tree."""
     assert subject.sized is not None  # measure_costs asks only a subject that has sized trees
-    w = free_nodes(verify, cfg_eval.tree_tokens)
-    record: dict[str, Any] = {"configured": "auto", "used": "chain", "free_nodes": w,
-                              "free_node_tolerance": FREE_NODE_TOLERANCE, "chain_predicted_speedup": chain[2]}
+    free = free_nodes(verify, cfg_eval.tree_tokens)
+    w = max(free, min(chain[1], cfg_eval.tree_tokens))
+    record: dict[str, Any] = {"configured": "auto", "used": "chain", "free_nodes": free,
+                              "free_node_tolerance": FREE_NODE_TOLERANCE, "chain_k": chain[1],
+                              "chain_predicted_speedup": chain[2]}
+    why = (f"the verify curve takes {free} draft node(s) within {FREE_NODE_TOLERANCE:.0%} of one pass, "
+           f"the chain drafts {chain[1]}")
     if w < 2:
-        log(f"eval.tree auto: chains (the verify curve takes {w} draft node(s) within "
-            f"{FREE_NODE_TOLERANCE:.0%} of one pass)")
+        log(f"eval.tree auto: chains ({why})")
         return subject, chain, record
     topk = min(cfg_eval.tree_topk, w)
     tree_subject = replace(subject, factory=subject.sized(topk, w))
@@ -152,9 +158,8 @@ def choose_tree(target: Target, subject: Subject, cfg_eval: EvalConfig, prompts:
     whole = ideal_speedup(cal.stats, verify, cal.draft_cost)
     wins = best_k > 0 and whole > max(chain[2], 1.0)
     record.update(tree_predicted_speedup=whole, topk=topk, tokens=w, used="dynamic" if wins else "chain")
-    log(f"eval.tree auto: {'a dynamic tree' if wins else 'chains'} (the verify curve takes {w} draft nodes within "
-        f"{FREE_NODE_TOLERANCE:.0%} of one pass; a top-{topk}, {w}-node tree's calibration predicts {whole:.2f}x, "
-        f"the chain's {chain[2]:.2f}x)")
+    log(f"eval.tree auto: {'a dynamic tree' if wins else 'chains'} ({why}; a top-{topk}, {w}-node tree's "
+        f"calibration predicts {whole:.2f}x, the chain's {chain[2]:.2f}x)")
     return (tree_subject, (cal, best_k, best_speedup), record) if wins else (subject, chain, record)
 
 

@@ -327,6 +327,11 @@ MUTANTS: list[Mutant] = [
            "    wins = best_k > 0 and whole > max(chain[2], 1.0)",
            "    wins = best_k > 0",
            ("tests/test_eval.py", "-k", "calibration_prices_above")),
+    # eval.tree auto sizing the tree by the free nodes alone: on a rising curve no tree of the chain's k is tried
+    Mutant("auto_tree_ignores_the_chain_k", "eval/calibrate.py",
+           "    w = max(free, min(chain[1], cfg_eval.tree_tokens))",
+           "    w = free",
+           ("tests/test_eval.py", "-k", "calibration_prices_above")),
     Mutant("auto_tree_never_drafted", "eval/run.py",
            "    costs, subject = measure_costs(target, subject, cfg_eval, questions, log)",
            "    costs, _ = measure_costs(target, subject, cfg_eval, questions, log)",

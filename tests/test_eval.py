@@ -363,10 +363,11 @@ class _Cal:
 
 @pytest.mark.parametrize("tree_tau, want", [(1.9, "dynamic"), (1.3, "chain")])
 def test_eval_tree_auto_drafts_the_tree_its_calibration_prices_above_the_chain(monkeypatch, tree_tau, want):
-    """eval.tree auto (choose_tree): a tree of free_nodes(...) nodes, its children at most eval.tree_topk, is
-    calibrated beside the chain and replaces it only when its calibration, every pass drafting the whole tree
-    priced by the measured curve, predicts more than the chain's best k (chain 1.45x here; the tree at tau 1.9
-    over 3 nodes, 2 ms of drafting and T(4) = 59 ms predicts 1.78x, at tau 1.3 1.21x)."""
+    """eval.tree auto (choose_tree): a tree of free_nodes(...) nodes (or of the chain's k, if more), its children
+    at most eval.tree_topk, is calibrated beside the chain and replaces it only when its calibration, every pass
+    drafting the whole tree priced by the measured curve, predicts more than the chain's best k (chain 1.45x
+    here; the tree at tau 1.9 over 3 nodes, 2 ms of drafting and T(4) = 59 ms predicts 1.78x, at tau 1.3 1.21x;
+    on the rising curve, T(4) = 90 ms, 1.18x and 0.81x against a chain's 1.05x)."""
     sized_calls: list[tuple[int, int]] = []
 
     def sized(topk, tokens):
@@ -391,11 +392,16 @@ def test_eval_tree_auto_drafts_the_tree_its_calibration_prices_above_the_chain(m
         assert record["topk"] == 3 and record["tokens"] == 3 and abs(record["tree_predicted_speedup"] - 1.9 * 57 / 61) < 1e-9
     else:
         assert got is subject and chosen is chain
-    # a curve that prices the first drafted node keeps chains without calibrating a tree
-    calibrated.clear()
-    got, chosen, record = calibrate_mod.choose_tree(None, subject, EvalConfig(), [],
-                                                    _curve({1: 57, 2: 68, 3: 80}), chain, log=lambda s: None)
-    assert got is subject and chosen is chain and not calibrated and record["used"] == "chain"
+    # a curve that prices the first drafted node: a tree of the chain's own k nodes (the rows the chain was found
+    # to pay for) is calibrated; a chain of one token (or none) keeps chains without calibrating a tree
+    rising = _curve({1: 57, 2: 68, 3: 80, 4: 90})
+    for k, tried in ((3, [(3, 3)]), (1, []), (0, [])):
+        sized_calls.clear()
+        calibrated.clear()
+        got, chosen, record = calibrate_mod.choose_tree(None, subject, EvalConfig(), [], rising,
+                                                        (chain[0], k, 1.05), log=lambda s: None)
+        assert sized_calls == tried and record["free_nodes"] == 0 and record["chain_k"] == k
+        assert record["used"] == (want if tried else "chain") and (got is subject) == (record["used"] == "chain")
 
 
 def test_eval_tree_auto_reaches_the_turns_the_sweep_and_the_report(tmp_path, tiny_target, monkeypatch):
@@ -418,7 +424,7 @@ def test_eval_tree_auto_reaches_the_turns_the_sweep_and_the_report(tmp_path, tin
     assert report["tree"] == "dynamic"
     assert report["costs"]["tree"] | {"tree_predicted_speedup": None} == {
         "configured": "auto", "used": "dynamic", "free_nodes": 3, "free_node_tolerance": 0.1, "topk": 3, "tokens": 3,
-        "chain_predicted_speedup": 1.2, "tree_predicted_speedup": None}
+        "chain_k": 2, "chain_predicted_speedup": 1.2, "tree_predicted_speedup": None}
     assert any("tree dynamic (top-3, 3 nodes; chosen by eval.tree auto)" in s for s in lines)
     b = report["benchmarks"]["mt_bench"]
     assert b["identical"] is True
