@@ -102,6 +102,12 @@ def markdown(report: dict[str, Any]) -> str:
                 lines += [_row(report["drafter"], c, r) for c, r in t["categories"].items()]
             for m, r in t["baselines"].items():
                 lines.append(_row(m, "all", r))
+            if t.get("draft_vocab_coverage") is not None:
+                cats = t["categories"] if len(t["categories"]) > 1 else {}
+                by_cat = ", ".join(f"{c} {_f(r.get('draft_vocab_coverage'))}" for c, r in cats.items())
+                lines += ["", f"Draft vocabulary: {_f(t['draft_vocab_coverage'])} of the plain answers' tokens are "
+                          "inside the head's" + (f" ({by_cat})" if by_cat else "") + "; no draft can match a "
+                          "token outside it."]
             lines.append("")
     lines += _policy_lines(report)
     sm = report["speedup_model"]

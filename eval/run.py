@@ -161,9 +161,12 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
 
     may_tree = (ev.tree == "auto" and engine == "builtin" and head_cfg is not None and drafter != "ngram"
                 and "dynamic" in registry.get(head_cfg.family).trees)
+    # the head's draft vocabulary (EAGLE-3's, the block drafter's t2d), where it is smaller than the target's
+    t2d = getattr(head, "t2d", None) if drafter != "ngram" else None
+    vocab = t2d.detach().cpu().bool() if t2d is not None and not bool(t2d.all()) else None
     target = Target(model, tok, io, device, eos_ids(model, tok))
     return target, Subject(drafter, head_cfg, main, methods, drafters(ev.tree, **sizes), drafts_in,
-                           sized if may_tree else None)
+                           sized if may_tree else None, vocab)
 
 
 def _plan_line(target_cfg: TargetConfig, subject: Subject, costs: Costs, cfg_eval: EvalConfig,

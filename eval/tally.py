@@ -18,6 +18,8 @@ from eval.decoder import GenerationStats
 from eval.speedup import speedup_model
 
 if TYPE_CHECKING:
+    import torch
+
     from eval.calibrate import Costs
 
 BASELINES = ("ngram", "hf_prompt_lookup")
@@ -60,12 +62,30 @@ class Tally:
     def __init__(self) -> None:
         self.stats: dict[tuple[str, str, str], GenerationStats] = {}
         self.identical: dict[tuple[str, str, str], list[bool]] = {}
+        # per (benchmark, category): plain answer tokens inside the head's draft vocabulary, and all of them
+        self.vocab: dict[tuple[str, str], list[int]] = {}
 
     def add(self, method: str, bench: str, cat: str, stats: GenerationStats, identical: bool | None) -> None:
         key = (method, bench, cat)
         self.stats[key] = self.stats[key].merge(stats) if key in self.stats else stats
         if identical is not None:
             self.identical.setdefault(key, []).append(identical)
+
+    def add_vocab(self, bench: str, cat: str, plain_ids: torch.Tensor, vocab: torch.Tensor) -> None:
+        """Count one plain answer's tokens inside the draft vocabulary (`vocab`: the head's t2d mask)."""
+        counts = self.vocab.setdefault((bench, cat), [0, 0])
+        counts[0] += int(vocab[plain_ids.cpu()].sum())
+        counts[1] += plain_ids.numel()
+
+    def vocab_coverage(self, bench: str, cat: str | None = None) -> float | None:
+        """The share of the plain answers' tokens inside the head's draft vocabulary: no draft can match a token
+        outside it (a humaneval answer that loops on a string the target misspells had 33% inside: the head
+        drafted on few of its passes). None where the head drafts from the whole vocabulary, or without a head."""
+        inside = total = 0
+        for (b, c), (i, n) in self.vocab.items():
+            if b == bench and (cat is None or c == cat):
+                inside, total = inside + i, total + n
+        return inside / total if total else None
 
     def merged(self, method: str, bench: str | None = None, cat: str | None = None) -> GenerationStats | None:
         out = None
@@ -81,6 +101,7 @@ class Tally:
     def categories(self, method: str, bench: str) -> dict[str, Any]:
         return {cat: summary(self.merged(method, bench, cat), self.merged("plain", bench, cat),
                               self.identical_all(method, bench, cat))
+                | {"draft_vocab_coverage": self.vocab_coverage(bench, cat)}
                 for cat in sorted({c for (m, b, c) in self.stats if b == bench and m == method})}
 
     def table(self, methods: Sequence[str], bench: str) -> dict[str, Any]:
@@ -88,6 +109,7 @@ class Tally:
         plain = self.merged("plain", bench)
         main = methods[0]
         row = summary(self.merged(main, bench), plain, self.identical_all(main, bench))
+        row["draft_vocab_coverage"] = self.vocab_coverage(bench)
         row["categories"] = self.categories(main, bench)
         row["plain"] = {"tokens_per_s": plain.tokens_per_s, "new_tokens": plain.new_tokens, "turns": plain.generations}
         row["baselines"] = {m: summary(self.merged(m, bench), plain, self.identical_all(m, bench))

@@ -91,6 +91,8 @@ class Subject:
     # (topk, tokens) -> the factory of EAGLE-2 dynamic trees of that size: set where eval.tree "auto" may turn
     # into a tree sized from the measured verify curve (eval.calibrate.measure_costs), else None
     sized: Callable[[int, int], Callable[[int], Callable[[], Drafter]]] | None = None
+    # the target ids the head can draft (its draft vocabulary's `t2d` mask), where it drafts from a reduced one
+    vocab: torch.Tensor | None = None
 
     @property
     def hybrid(self) -> bool:
@@ -157,6 +159,8 @@ class Turns:
             r = self.turn_index % len(order)  # rotate who goes first: noise and warm caches hit all alike
             results = self.turn(order[r:] + order[:r], ids, temp, seed)
             plain_ids = results["plain"][0]
+            if self.subject.vocab is not None:
+                tally.add_vocab(bench, q.category, plain_ids, self.subject.vocab)
             for name, (new, st) in results.items():
                 same = bool(torch.equal(new.cpu(), plain_ids.cpu())) if temp == 0 else None
                 tally.add(name, bench, q.category, st, same)

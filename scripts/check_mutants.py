@@ -327,6 +327,11 @@ MUTANTS: list[Mutant] = [
            "    wins = best_k > 0 and whole > max(chain[2], 1.0)",
            "    wins = best_k > 0",
            ("tests/test_eval.py", "-k", "calibration_prices_above")),
+    # the draft vocabulary's share of the plain answers counting every token as inside
+    Mutant("vocab_coverage_counts_every_token", "eval/tally.py",
+           "        counts[0] += int(vocab[plain_ids.cpu()].sum())",
+           "        counts[0] += plain_ids.numel()",
+           ("tests/test_eval.py", "-k", "draft_vocab")),
     # eval.tree auto sizing the tree by the free nodes alone: on a rising curve no tree of the chain's k is tried
     Mutant("auto_tree_ignores_the_chain_k", "eval/calibrate.py",
            "    w = max(free, min(chain[1], cfg_eval.tree_tokens))",

@@ -361,6 +361,66 @@ class _Cal:
         self.draft_cost = DraftCost(0.002, 0.0)
 
 
+def test_tally_counts_the_plain_answers_tokens_inside_the_draft_vocabulary():
+    """Tally.vocab_coverage: per benchmark and category, the plain answers' tokens the head's t2d marks, over all
+    of them (no draft can match a token outside: mutant vocab_coverage_counts_every_token); None without counts."""
+    from eval.tally import Tally
+
+    vocab = torch.tensor([True, False, True, False, False])
+    tally = Tally()
+    tally.add_vocab("mt_bench", "writing", torch.tensor([0, 1, 2, 3]), vocab)  # 2 of 4
+    tally.add_vocab("mt_bench", "math", torch.tensor([0, 2, 2, 4, 0, 2]), vocab)  # 5 of 6
+    tally.add_vocab("humaneval", "all", torch.tensor([1, 3, 4]), vocab)  # 0 of 3
+    assert tally.vocab_coverage("mt_bench") == 7 / 10
+    assert tally.vocab_coverage("mt_bench", "writing") == 0.5 and tally.vocab_coverage("mt_bench", "math") == 5 / 6
+    assert tally.vocab_coverage("humaneval") == 0.0 and tally.vocab_coverage("gsm8k") is None
+
+
+def test_eval_reports_the_draft_vocabularys_share_of_the_plain_answers(tmp_path, tiny_target):
+    """report.json's benchmarks.<b>.draft_vocab_coverage (and per category, and report.md's line) is the share of
+    the plain answers' tokens inside the head's draft vocabulary, recomputed here from plain decoding of both
+    turns. Two heads drafting from complementary halves (even ids, odd ids) cover shares that sum to one; a head
+    drafting from the whole vocabulary reports none."""
+    from data.regenerate import eos_ids
+    from eval.decoder import plain_generate
+    from eval.turns import prompt_ids
+
+    model, tok, io = tiny_target
+    ev = _cfg(max_new_tokens=12, batch_sizes=[1])
+    q = load_questions("mt_bench", 1)[0]
+    answers, messages = [], []
+    for turn in q.turns:
+        messages.append({"role": "user", "content": turn})
+        out, _ = plain_generate(model, prompt_ids(tok, messages, torch.device("cpu")), ev.max_new_tokens,
+                                eos_token_id=eos_ids(model, tok))
+        answers.append(out)
+        messages.append({"role": "assistant", "content": tok.decode(out.tolist(), skip_special_tokens=True)})
+    plain = torch.cat(answers)
+    shares = []
+    for parity in (0, 1):
+        cfg = Eagle3Config(draft_vocab_size=io.vocab_size // 2, ttt_length=2)
+        torch.manual_seed(0)
+        head = registry.get("eagle3").build(cfg, io)
+        ids = torch.arange(parity, io.vocab_size, 2)[: cfg.draft_vocab_size]
+        head.t2d.zero_()
+        head.t2d[ids] = True
+        head.d2t.copy_(ids - torch.arange(cfg.draft_vocab_size))
+        report = run.evaluate(save_head(tmp_path / f"half{parity}", head, cfg, io), ev, tmp_path / f"ev{parity}",
+                              TargetConfig(name_or_path="tiny-random-llama"), baselines=[], loaded=tiny_target,
+                              sweep_new_tokens=4, log=lambda s: None)
+        want = float(head.t2d[plain].float().mean())
+        b = report["benchmarks"]["mt_bench"]
+        assert b["draft_vocab_coverage"] == pytest.approx(want) and b["identical"] is True
+        assert b["categories"][q.category]["draft_vocab_coverage"] == pytest.approx(want)
+        assert f"Draft vocabulary: {want:.2f} of the plain answers' tokens" in markdown(report)
+        shares.append(b["draft_vocab_coverage"])
+    assert sum(shares) == pytest.approx(1.0)
+    whole = run.evaluate(_head(tmp_path, tiny_target, "whole"), ev, tmp_path / "ev2",
+                         TargetConfig(name_or_path="tiny-random-llama"), baselines=[], loaded=tiny_target,
+                         sweep_new_tokens=4, log=lambda s: None)
+    assert whole["benchmarks"]["mt_bench"]["draft_vocab_coverage"] is None
+
+
 @pytest.mark.parametrize("tree_tau, want", [(1.9, "dynamic"), (1.3, "chain")])
 def test_eval_tree_auto_drafts_the_tree_its_calibration_prices_above_the_chain(monkeypatch, tree_tau, want):
     """eval.tree auto (choose_tree): a tree of free_nodes(...) nodes (or of the chain's k, if more), its children
