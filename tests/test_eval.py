@@ -460,7 +460,8 @@ def test_eval_tree_auto_drafts_the_tree_its_calibration_prices_above_the_chain(m
         calibrated.clear()
         got, chosen, record = calibrate_mod.choose_tree(None, subject, EvalConfig(), [], rising,
                                                         (chain[0], k, 1.05), log=lambda s: None)
-        assert sized_calls == tried and record["free_nodes"] == 0 and record["chain_k"] == k
+        assert sized_calls == tried and calibrated == [("tree", 3, 3)] * len(tried)
+        assert record["free_nodes"] == 0 and record["chain_k"] == k
         assert record["used"] == (want if tried else "chain") and (got is subject) == (record["used"] == "chain")
 
 
