@@ -9,6 +9,7 @@ decoder's k is chosen from measurements, never assumed:
     S = measure_cost_surface(model, (1, 4, 16), (1, 2, 5))   # {B: VerifyCost}: T(B, n), B rows of n tokens
     F = measure_draft_share(model, make_head, prompt, (1, 4, 16), k=4)   # {B: share of a row's draft, batched}
     place_head(head, device, torch.float32, "auto")          # eval.draft_dtype: the dtype the head drafts in
+                                                             # (and from how many rows it runs float32)
 
 The model (all times per target pass, one pass verifies the root plus the n draft nodes):
     E(k)     = 1 + f * sum_{j=1..k} prod_{i<=j} a_i     expected tokens per pass (the bonus/corrected token is
@@ -47,6 +48,9 @@ DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
 # matrices (a tiny head's draft costs little either way: untimed, it drafts in the target's dtype).
 AUTO_DTYPE_MARGIN = 0.10
 AUTO_DTYPE_MIN_PARAMS = 1_000_000
+# Row counts at which auto times a bfloat16 head's matrices against float32 (WideRowsLinear): a drafted token is
+# one row, a tree level a few, a commit the accepted path, a catch-up every skipped pass, and `begin` the prompt.
+WIDE_ROWS_PROBE = (4, 8, 16, 32, 64)
 DRAFT_DTYPES: tuple[str, ...] = typing.get_args(typing.get_type_hints(EvalConfig)["draft_dtype"])  # auto, target, bfloat16
 
 
@@ -54,15 +58,19 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def linear_seconds(head: nn.Module, dtype: torch.dtype, repeats: int = 5, rounds: int = 20) -> float:
-    """Median seconds of one row through every nn.Linear of `head` with its weights in `dtype` (copies: the
-    head is left as it is): what a drafted token costs in memory traffic, the bound of CPU drafting."""
+def linear_seconds(head: nn.Module, dtype: torch.dtype, rows: int = 1, repeats: int = 5,
+                   rounds: int | None = None) -> float:
+    """Median seconds of `rows` rows through every nn.Linear of `head` with its weights in `dtype` (copies: the
+    head is left as it is). One row is what a drafted token costs in memory traffic, the bound of CPU drafting;
+    many rows are the head's catch-ups and its `begin` over the prompt, bound by arithmetic instead. `rounds`
+    per repeat: 20 // rows, at least 2 (a wide timing is long enough alone)."""
+    rounds = rounds or max(2, 20 // rows)
     mats = [(m.weight.detach().to(dtype), None if m.bias is None else m.bias.detach().to(dtype))
             for m in head.modules() if isinstance(m, nn.Linear)]
-    rows = [torch.randn(1, w.shape[1], dtype=dtype, device=w.device) for w, _ in mats]
+    inputs = [torch.randn(rows, w.shape[1], dtype=dtype, device=w.device) for w, _ in mats]
 
     def once() -> None:
-        for (w, b), x in zip(mats, rows):
+        for (w, b), x in zip(mats, inputs):
             F.linear(x, w, b)
 
     with torch.no_grad():
@@ -76,14 +84,54 @@ def linear_seconds(head: nn.Module, dtype: torch.dtype, repeats: int = 5, rounds
     return statistics.median(times)
 
 
+class WideRowsLinear(nn.Linear):
+    """An nn.Linear of a head drafting in a reduced dtype whose inputs of at least `wide_rows` rows go through a
+    float32 copy of its weights (the result cast back), and narrower ones through its own weights.
+
+    Why: on a CPU without native bfloat16 (AVX2) a bfloat16 matrix reads half the memory, which is what one
+    drafted row is bound by, but multiplies slower, which is what many rows are bound by: the quickstart head's
+    matrices took 0.69 against 1.87 ms for one row and 5.4 against 4.1 ms for 8, and 490 against 80 ms for an
+    800-token prompt, which the head's `begin` runs before its first draft of every request (eval.costs.place_head
+    times where the two cross on the machine at hand). Exactness does not depend on it: the drafter reports
+    the q it drew, whatever dtype computed it."""
+
+    wide_rows: int
+    wide_weight: torch.Tensor
+    wide_bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() >= self.wide_rows * x.shape[-1]:
+            return F.linear(x.to(self.wide_weight.dtype), self.wide_weight, self.wide_bias).to(x.dtype)
+        return super().forward(x)
+
+
+def widen(head: nn.Module, rows: int) -> None:
+    """Make every nn.Linear of `head` a WideRowsLinear running inputs of `rows` rows or more in float32, from
+    float32 copies of its weights as they are now (call it before casting the head to its drafting dtype).
+    The copies are plain attributes, which a later `head.to(dtype)` leaves in float32."""
+    for m in head.modules():
+        if type(m) is nn.Linear:
+            m.wide_weight = m.weight.detach().to(torch.float32, copy=True)
+            m.wide_bias = None if m.bias is None else m.bias.detach().to(torch.float32, copy=True)
+            m.wide_rows = rows
+            m.__class__ = WideRowsLinear
+
+
+def wide_rows(head: nn.Module) -> int | None:
+    """From how many rows `head`'s matrices run in float32 (`widen`); None where they never do."""
+    return next((m.wide_rows for m in head.modules() if isinstance(m, WideRowsLinear)), None)
+
+
 def place_head(head: nn.Module, device: torch.device, target_dtype: torch.dtype, choice: str = "auto",
                log: Callable[[str], None] = _stderr,
-               timer: Callable[[nn.Module, torch.dtype], float] = linear_seconds) -> torch.dtype:
+               timer: Callable[[nn.Module, torch.dtype, int], float] = linear_seconds) -> torch.dtype:
     """Move `head` to the target's device in the dtype it drafts in (eval.draft_dtype), and return that dtype.
 
     choice "target": the target's dtype; "bfloat16": bfloat16; "auto": on a CPU float32 target, bfloat16 when
-    `timer` finds the head's matrices at least AUTO_DTYPE_MARGIN faster in it (the choice and both times are
-    logged), else the target's dtype; elsewhere (GPUs, a bfloat16 target, a head with fewer than
+    `timer` finds one row through the head's matrices at least AUTO_DTYPE_MARGIN faster in it, and then float32
+    from the fewest rows (of WIDE_ROWS_PROBE, timed from the widest down) at which float32 stays that much faster
+    (`widen`: a head's `begin` over the prompt and its catch-ups are many rows); the choice and the times are
+    logged; else the target's dtype. Elsewhere (GPUs, a bfloat16 target, a head with fewer than
     AUTO_DTYPE_MIN_PARAMS in its matrices) the target's dtype, untimed. Exactness does not depend on it: the
     drafter reports the q it drew from, in whatever dtype it computed it."""
     if choice not in DRAFT_DTYPES:
@@ -93,10 +141,22 @@ def place_head(head: nn.Module, device: torch.device, target_dtype: torch.dtype,
     head.to(device=device)
     mats = sum(m.weight.numel() for m in head.modules() if isinstance(m, nn.Linear))
     if choice == "auto" and device.type == "cpu" and target_dtype == torch.float32 and mats >= AUTO_DTYPE_MIN_PARAMS:
-        full, half = timer(head, torch.float32), timer(head, torch.bfloat16)
+        full, half = timer(head, torch.float32, 1), timer(head, torch.bfloat16, 1)
         dtype = torch.bfloat16 if half < (1 - AUTO_DTYPE_MARGIN) * full else target_dtype
-        log(f"eval.draft_dtype auto: {dtype_name(dtype)} (one row through the head's matrices: float32 "
-            f"{full * 1e3:.2f} ms, bfloat16 {half * 1e3:.2f} ms)")
+        line = (f"eval.draft_dtype auto: {dtype_name(dtype)} (one row through the head's matrices: float32 "
+                f"{full * 1e3:.2f} ms, bfloat16 {half * 1e3:.2f} ms)")
+        if dtype == torch.bfloat16:
+            wide, timed = None, []
+            for rows in sorted(WIDE_ROWS_PROBE, reverse=True):
+                full, half = timer(head, torch.float32, rows), timer(head, torch.bfloat16, rows)
+                timed.append(f"{rows} rows: float32 {full * 1e3:.2f} ms, bfloat16 {half * 1e3:.2f} ms")
+                if full >= (1 - AUTO_DTYPE_MARGIN) * half:
+                    break
+                wide = rows
+            if wide is not None:
+                widen(head, wide)
+            line += (f", float32 from {wide} rows" if wide else ", never float32") + f" ({'; '.join(timed)})"
+        log(line)
     head.to(dtype=dtype)
     return dtype
 

@@ -66,7 +66,7 @@ from data.target import load_target
 from eval.batch import Method, sweep
 from eval.bench import Question, bench_name, load_questions
 from eval.calibrate import Costs, measure_costs
-from eval.costs import dtype_name, measure_cost_surface, measure_draft_share, place_head
+from eval.costs import dtype_name, measure_cost_surface, measure_draft_share, place_head, wide_rows
 from eval.drafters import HybridDrafter, NgramDrafter
 from eval.report import assemble_report, claim_eval_folder, markdown, write_report
 from eval.tally import BASELINES, benchmarks_section, speedup_section
@@ -143,6 +143,8 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
         head, head_cfg, _ = load_head(head_dir, io)  # refuses another target's head, naming why
         # the head casts the target's features and embeddings to its own dtype (each family's drafter)
         drafts_in = dtype_name(place_head(head, device, next(model.parameters()).dtype, ev.draft_dtype, log))
+        if wide_rows(head):
+            drafts_in += f" (float32 from {wide_rows(head)} rows)"
     hybrid = drafter == "head+ngram"
     name = head_cfg.family if head_cfg is not None else "head"
     main = "ngram" if drafter == "ngram" else f"{name}+ngram" if hybrid else name

@@ -20,7 +20,7 @@ from data.prompts import BENCHMARK_FILES, benchmark_index
 from data.readers import DataError, read_records
 from eval.bench import load_questions
 from eval.calibrate import CALIBRATION_FILE, free_nodes
-from eval.costs import DraftCost, VerifyCost, shrunk_rates
+from eval.costs import DraftCost, VerifyCost, shrunk_rates, wide_rows
 from eval.decoder import GenerationStats
 from eval.report import PLOTS, markdown
 from eval.speedup import extend_rates
@@ -225,17 +225,63 @@ def test_place_head_drafts_in_the_dtype_eval_draft_dtype_chooses(choice, target,
 
     head, calls, lines = _matrices(n_params), [], []
 
-    def timer(h, dtype):
-        calls.append(dtype)
+    def timer(h, dtype, rows):
+        calls.append((dtype, rows))
         assert h is head  # the head itself, on the target's device
-        return 0.002 * (bf16_share if dtype == torch.bfloat16 else 1.0)
+        return 0.002 * rows * (bf16_share if dtype == torch.bfloat16 else 1.0)
 
     got = place_head(head, torch.device("cpu"), target, choice, lines.append, timer)
     assert got == want and {p.dtype for p in head.parameters()} == {want}
-    assert calls == ([torch.float32, torch.bfloat16] if timed else [])
+    one_row = [(torch.float32, 1), (torch.bfloat16, 1)]
+    # bfloat16 chosen: the widest probe next, where it stays ahead, so no float32 rows (never widened)
+    assert calls == (one_row + ([(torch.float32, 64), (torch.bfloat16, 64)] if want == torch.bfloat16 else [])
+                     if timed else [])
     assert len(lines) == int(timed)
+    assert wide_rows(head) is None
     if timed:
         assert lines[0].startswith(f"eval.draft_dtype auto: {str(want)[6:]} (") and "float32 2.00 ms" in lines[0]
+
+
+@pytest.mark.parametrize(("crossing", "want"), [(8, 8), (4, 4), (65, None), (1, 4)])
+def test_place_head_runs_wide_inputs_in_float32_from_where_float32_is_faster(crossing, want):
+    """A CPU without native bfloat16: bfloat16 at half the time for one row, twice it from `crossing` rows on.
+    auto drafts in bfloat16 and runs inputs of the fewest probed rows from which float32 stays faster in
+    float32, from float32 weights exactly as loaded (never rounded through bfloat16)."""
+    from eval.costs import place_head
+
+    head, lines = _matrices(2_000_000), []
+    weights = head[0].weight.detach().clone()
+
+    def timer(h, dtype, rows):
+        slower = 2.0 if rows >= crossing and rows > 1 else 0.5
+        return 0.001 * rows * (slower if dtype == torch.bfloat16 else 1.0)
+
+    assert place_head(head, torch.device("cpu"), torch.float32, "auto", lines.append, timer) == torch.bfloat16
+    assert wide_rows(head) == want
+    assert (f"float32 from {want} rows" if want else "never float32") in lines[0]
+    lin = head[0]
+    assert lin.weight.dtype == torch.bfloat16 and set(head.state_dict()) == {"0.weight"}
+    if want:
+        assert lin.wide_weight.dtype == torch.float32 and torch.equal(lin.wide_weight, weights)
+
+
+def test_wide_rows_linear_runs_wide_inputs_through_its_float32_weights():
+    """Below wide_rows the bfloat16 weights, from it the float32 copy (result cast back): each path equal
+    to the matrix product it stands for, and the two different (bfloat16 rounds the weights)."""
+    from eval.costs import widen
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    widen(lin, 4)
+    lin.to(dtype=torch.bfloat16)
+    assert wide_rows(lin) == 4
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(1, rows, 64).to(torch.bfloat16)
+        narrow = torch.nn.functional.linear(x, w.to(torch.bfloat16), b.to(torch.bfloat16))
+        wide = torch.nn.functional.linear(x.float(), w, b).to(torch.bfloat16)
+        assert not torch.equal(narrow, wide)
+        assert torch.equal(lin(x), wide if rows >= 4 else narrow)
 
 
 def test_place_head_refuses_an_unknown_dtype():
