@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -319,8 +319,12 @@ def plain_steps(
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     cache: str | KVCache = "dynamic",
+    observe: Callable[[int, float], None] | None = None,
 ) -> Steps:
-    """`plain_generate` a pass at a time (see `interleave`): yields after the prefill and after every pass."""
+    """`plain_generate` a pass at a time (see `interleave`): yields after the prefill and after every pass.
+
+    observe(1, seconds), optional: called with every pass's timed forward (eval.turns feeds the run's learned
+    verify curve with plain decoding's passes, timed beside the drafters': eval.policy.LearnedVerifyCost)."""
     ids = _check_inputs(input_ids, max_new_tokens)
     eos = _eos_set(eos_token_id)
     stats = GenerationStats(generations=1)
@@ -337,8 +341,11 @@ def plain_steps(
         stats.forward_time_s += time.perf_counter() - tv
         kv.keep([0])
         out.append(_next_token(logits[0, -1], temperature, top_k, top_p, generator))
-        stats.verify_time_s += time.perf_counter() - tv
+        seconds = time.perf_counter() - tv
+        stats.verify_time_s += seconds
         stats.record_pass(0, 0, 0, 0)
+        if observe is not None:
+            observe(1, seconds)
         yield
     stats.new_tokens = len(out)
     return torch.tensor(out, dtype=torch.long), stats

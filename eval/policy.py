@@ -38,12 +38,16 @@ turns' counts added: eval.turns.adaptive_policy); reset's k is the first pass's 
 
 The verify curve T(n) starts as eval.costs' probe (a few timed forwards on a synthetic context before the
 run) and learns from the run itself: every verify pass the decoder times is an observation of T(1 + nodes)
-at the request's real context, on the machine as loaded as it is now. Per n the estimate is
-    T(n) = (w_T * probe(n) + sum of decayed observations) / (w_T + decayed count)
-(each n's observations decay by `decay` per new one; w_T = `probe_weight`), refitted nondecreasing (isotonic)
-after each pass: eval.policy.LearnedVerifyCost, one per run shared by every request's policy (the machine,
-not the request, sets the cost). This keeps a probe taken
-in a quiet (or busy) moment from steering a whole run, and it follows the context growing during a request.
+at the request's real context, on the machine as loaded as it is now. It is learned as a level times a shape:
+    T(n)     = level * ratio(n)
+    ratio(n) = (w_T * probe(n) / probe(1) + sum of decayed samples) / (w_T + decayed count)    a sample: two
+               consecutive passes of sizes m < n, y_n / y_m * (m's samples' mean, or the probe's ratio; 1 for
+               m = 1): the machine's drift cancels in it
+    level    = decayed mean of y / ratio(n) over every timed pass                               decay `decay`
+(w_T = `probe_weight`), refitted nondecreasing (isotonic) after each pass: eval.policy.LearnedVerifyCost, one
+per run shared by every request's policy (the machine, not the request, sets the cost). This keeps a probe
+taken in a quiet (or busy) moment from steering a whole run, follows the context growing during a request,
+and never reads a slow spell's T(1) against a fast spell's T(4) as a free tree.
 
 Exactness does not depend on any of this: the policy only chooses what is drafted (tests/test_policy.py).
 """
@@ -97,54 +101,99 @@ def measured_prior(stats: GenerationStats) -> list[float]:
     return shrunk_rates(stats.accepted_per_position, stats.judged_per_position)
 
 
-def isotonic(verify: VerifyCost) -> VerifyCost:
-    """The nondecreasing least-squares fit of a measured T(n) (pool adjacent violators).
+def isotonic(verify: VerifyCost, weights: Mapping[int, float] | None = None) -> VerifyCost:
+    """The nondecreasing least-squares fit of a measured T(n) (pool adjacent violators), each n weighted by
+    `weights` (default 1: LearnedVerifyCost weights a size by how much was timed at it).
 
     A pass over more tokens never costs less, so a measured dip or spike is noise (a loaded machine); pooling
     it with its neighbours keeps a dip from buying longer drafts and a spike from pricing out every longer
     one. Example: T(1, 2, 4, 8) = 57, 90, 70, 200 ms -> 57, 80, 80, 200.
     """
-    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours, means nondecreasing
+    blocks: list[list[float]] = []  # [weighted sum, weight, sizes] of pooled neighbours, means nondecreasing
     ns = sorted(verify.seconds)
     for n in ns:
-        blocks.append([verify.seconds[n], 1.0])
+        w = 1.0 if weights is None else weights.get(n, 1.0)
+        blocks.append([w * verify.seconds[n], w, 1])
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
+            total, weight, sizes = blocks.pop()
             blocks[-1][0] += total
-            blocks[-1][1] += count
-    fitted = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+            blocks[-1][1] += weight
+            blocks[-1][2] += sizes
+    fitted = [b[0] / b[1] for b in blocks for _ in range(int(b[2]))]
     return VerifyCost(dict(zip(ns, fitted)), verify.context_len)
 
 
 class LearnedVerifyCost:
-    """T(n) from eval.costs' probe, refined by the run's own timed verify passes (see the module docstring).
+    """T(n) = level * ratio(n): the shape from eval.costs' probe, refined by adjacent timed passes of different
+    sizes, and the level (how fast the machine runs now) from every timed pass (see the module docstring).
+
+    ratio(n) = T(n) / T(1): the probe's (its isotonic fit), blended with samples taken from two consecutive
+    passes of different sizes (y_n / y_m * measured(m)), which ran a tenth of a second apart, so the machine's
+    drift cancels in them. level = decayed mean of y / ratio(n) over the timed passes (in the eval plain
+    decoding's too, timed beside the drafters': eval.turns). Why not a decayed mean per n: the machine drifts
+    (a passage file's plain passes read 67-88 ms from turn to turn), so per-n means taken at different moments
+    compare the moments, not the sizes. The tree passes of a fast spell read below T(1) from a slow one, the
+    nondecreasing fit pooled T(4) with T(1), and the quickstart head drafted 3-node trees at a first-token
+    acceptance of 0.17-0.20 where they cost 1.2x a plain pass (0.93x). Only the ratios matter to the policy's choice
+    between sizes; the level prices drafting seconds against verifying seconds.
 
     One instance is shared by every request's policy in a run (the machine, not the request, sets the cost).
-    Calling it gives the isotonic fit of the blend; `version` changes whenever an observation arrives.
+    Calling it gives the isotonic fit of level * ratio; `version` changes whenever an observation arrives.
     """
 
     def __init__(self, probe: VerifyCost, probe_weight: float = 4.0, decay: float = 0.9):
         if probe_weight <= 0 or not 0 < decay <= 1:
             raise ValueError("LearnedVerifyCost: need probe_weight > 0 and 0 < decay <= 1")
         self.probe, self.probe_weight, self.decay = probe, probe_weight, decay
-        self.timed: dict[int, list[float]] = {}  # n -> [decayed sum of seconds, decayed count]
+        self.shape = isotonic(probe)
+        self.samples: dict[int, list[float]] = {}  # n -> [decayed sum of T(n) / T(1) samples, decayed count]
+        self.timed: list[float] | None = None  # [decayed sum of T(1)-equivalent seconds, decayed count]
+        self._last: tuple[int, float] | None = None  # the previous timed pass (n, seconds), to pair with the next
         self.version = 0
-        self._fit = isotonic(probe)
+        self._fit = self.shape
 
-    def observe(self, n: int, seconds: float, weight: float = 1.0) -> None:
-        """One timed verify pass over n tokens (the root included); `weight` passes' worth when `seconds` is
-        already a mean over several (eval.turns: a plain turn's mean pass is T(1) at that turn's context)."""
-        total, count = self.timed.get(n, (0.0, 0.0))
-        self.timed[n] = [self.decay * total + weight * seconds, self.decay * count + weight]
-        self._fit = isotonic(self.estimate())
+    def ratio(self, n: int) -> float:
+        """T(n) / T(1): the probe's, blended with the adjacent-pass samples (the probe counts probe_weight)."""
+        prior = self.shape(n) / self.shape(1)
+        total, count = self.samples.get(n, (0.0, 0.0))
+        return (self.probe_weight * prior + total) / (self.probe_weight + count)
+
+    def measured(self, n: int) -> float:
+        """T(n) / T(1) from the samples alone (the probe's where there are none): what a sample is chained
+        through. Chaining through the blend would pull every larger size toward the probe once more per link
+        (a probe that read a steep curve flat priced 7-token drafts at a third of their cost)."""
+        if n == 1 or n not in self.samples:
+            return self.shape(n) / self.shape(1)
+        total, count = self.samples[n]
+        return total / count
+
+    def level(self) -> float:
+        """T(1) now: the decayed mean of the timed passes' T(1)-equivalents (the probe's before any)."""
+        return self.shape(1) if self.timed is None else self.timed[0] / self.timed[1]
+
+    def observe(self, n: int, seconds: float) -> None:
+        """One timed verify pass over n tokens (the root included)."""
+        last, self._last = self._last, (n, seconds)
+        if last is not None and last[0] != n and min(seconds, last[1]) > 0:
+            m, before = last
+            # the larger size gets the sample, through the smaller one's ratio (T(1)'s is 1 by definition)
+            small, big, ys, yb = (m, n, before, seconds) if m < n else (n, m, seconds, before)
+            total, count = self.samples.get(big, (0.0, 0.0))
+            self.samples[big] = [self.decay * total + yb / ys * self.measured(small), self.decay * count + 1.0]
+        unit = seconds / self.ratio(n)
+        total, count = self.timed or (0.0, 0.0)
+        self.timed = [self.decay * total + unit, self.decay * count + 1.0]
+        # a size weighs what was timed at it: an untimed one's probe value must not pool a timed one down
+        est = self.estimate()
+        counts = {n: c for n, (_, c) in self.samples.items()} | {1: self.timed[1]}
+        self._fit = isotonic(est, {n: self.probe_weight + counts.get(n, 0.0) for n in est.seconds})
         self.version += 1
 
     def estimate(self) -> VerifyCost:
-        """The blend per n, before the nondecreasing fit: probe where nothing was timed."""
-        seconds = dict(self.probe.seconds)
-        for n, (total, count) in self.timed.items():
-            seconds[n] = (self.probe_weight * self.probe(n) + total) / (self.probe_weight + count)
-        return VerifyCost(seconds, self.probe.context_len)
+        """level * ratio(n) per n (the probe's and every sampled size), before the nondecreasing fit."""
+        level = self.level()
+        return VerifyCost({n: level * self.ratio(n) for n in sorted(set(self.probe.seconds) | set(self.samples))},
+                          self.probe.context_len)
 
     def __call__(self, n: int) -> float:
         return self._fit(n)

@@ -36,9 +36,6 @@ if TYPE_CHECKING:
     from eval.calibrate import Costs
 
 Served = dict[tuple[str, str], list[tuple[list[int], int]]]  # (temperature, bench) -> [(prompt ids, seed)]
-# A plain turn's mean pass counts as this many timed passes of T(1) in the run's learned verify curve: as much
-# as the decayed history of one n holds at eval.policy.LearnedVerifyCost's default decay (1 / (1 - 0.9)).
-PLAIN_TURN_WEIGHT = 10.0
 # A single-stream draft is taken only when predicted at least 5% faster than a plain pass, the batch gate's
 # margin (eval.policy.LoadAware): a predicted gain below what one pass's timing varies by on a loaded CPU
 # buys risk, not speed. Measured: the quickstart head alone on a passage-retrieval file drafted 73% of
@@ -182,8 +179,6 @@ class Turns:
             results["hf_prompt_lookup"] = hf_prompt_lookup(self.target.model, ids, self.costs.k_ng,
                                                            self.cfg.max_new_tokens, self.target.eos,
                                                            self.target.tok.pad_token_id)
-        if "plain" in results:
-            self.observe_plain(results["plain"][1])
         self.pool()
         return {n: results[n] for n in names}
 
@@ -202,20 +197,16 @@ class Turns:
         """One method on one turn, alone: (new ids, stats)."""
         return self.turn([name], ids, temp, seed)[name]
 
-    def observe_plain(self, st: GenerationStats) -> None:
-        """Plain decoding is T(1) at this turn's context, timed beside the drafters: it anchors the price of not
-        drafting, which the probe alone set (one spell on it moved every choice) and which a policy that drafts
-        every pass would otherwise never time again."""
-        if st.target_passes:
-            self.learned.observe(1, st.verify_time_s / st.target_passes, weight=PLAIN_TURN_WEIGHT)
-
     def steps(self, name: str, ids: torch.Tensor, temp: float, seed: int) -> Steps:
         """One of the decoder's methods on one turn, a pass at a time (eval.decoder.Steps)."""
         model, eos, costs, max_new = self.target.model, self.target.eos, self.costs, self.cfg.max_new_tokens
         gen = torch.Generator(device="cpu").manual_seed(seed)
         common = dict(max_new_tokens=max_new, temperature=temp, eos_token_id=eos, generator=gen)
         if name == "plain":
-            return plain_steps(model, ids, cache=self.cache_for(name, None), **common)
+            # Plain decoding's passes are T(1) timed beside the drafters' passes (interleaved): they anchor the
+            # price of not drafting, which a policy that drafts every pass would never time, and next to a
+            # drafting pass they measure its size's ratio to T(1) whatever the machine's drift does.
+            return plain_steps(model, ids, cache=self.cache_for(name, None), observe=self.learned.observe, **common)
         if name == "ngram":
             ngram = NgramDrafter()
             return speculative_steps(model, ids, ngram, costs.k_ng, policy=self.policy_for(name),

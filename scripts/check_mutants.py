@@ -498,6 +498,10 @@ MUTANTS: list[Mutant] = [
            "dtype = torch.bfloat16 if half < (1 - AUTO_DTYPE_MARGIN) * full else target_dtype",
            "dtype = torch.bfloat16",
            ("tests/test_eval.py", "-k", "place_head")),
+    # neighbouring passes of two sizes never teach T(n) / T(1): the probe's shape stands whatever the run times
+    Mutant("verify_shape_never_learned", "eval/policy.py",
+           "if last is not None and last[0] != n and min(seconds, last[1]) > 0:", "if False:",
+           ("tests/test_policy.py", "-k", "drifts or teach_the_verify_curve")),
     # a bfloat16 head's wide inputs (its begin over the prompt, catch-ups) through its bfloat16 weights after
     # all: 4x slower than float32 on a CPU without native bfloat16
     Mutant("wide_rows_run_in_bfloat16", "eval/costs.py",
