@@ -89,11 +89,11 @@ class WideRowsLinear(nn.Linear):
     float32 copy of its weights (the result cast back), and narrower ones through its own weights.
 
     Why: on a CPU without native bfloat16 (AVX2) a bfloat16 matrix reads half the memory, which is what one
-    drafted row is bound by, but multiplies slower, which is what many rows are bound by: the quickstart head's
-    matrices took 0.69 against 1.87 ms for one row and 5.4 against 4.1 ms for 8, and 490 against 80 ms for an
-    800-token prompt, which the head's `begin` runs before its first draft of every request (eval.costs.place_head
-    times where the two cross on the machine at hand). Exactness does not depend on it: the drafter reports
-    the q it drew, whatever dtype computed it."""
+    drafted row is bound by, but multiplies slower, which is what many rows are bound by: on an AVX2 AMD EPYC
+    the quickstart head's matrices took 0.9-1.1 against 1.9-3.6 ms for one row and 42-77 against 9-14 ms for
+    64, and its `begin` over a 229-token prompt, run before its first draft of every request, 162 ms in
+    bfloat16 against 36 ms with this (eval.costs.place_head times where the two cross on the machine at hand).
+    Exactness does not depend on it: the drafter reports the q it drew, whatever dtype computed it."""
 
     wide_rows: int
     wide_weight: torch.Tensor
