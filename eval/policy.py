@@ -134,8 +134,8 @@ class LearnedVerifyCost:
     (a passage file's plain passes read 67-88 ms from turn to turn), so per-n means taken at different moments
     compare the moments, not the sizes. The tree passes of a fast spell read below T(1) from a slow one, the
     nondecreasing fit pooled T(4) with T(1), and the quickstart head drafted 3-node trees at a first-token
-    acceptance of 0.17-0.20 where they cost 1.2x a plain pass (0.93x). Only the ratios matter to the policy's choice
-    between sizes; the level prices drafting seconds against verifying seconds.
+    acceptance of 0.17-0.20 where they cost 1.2x a plain pass (0.93x). Only the ratios matter to the policy's
+    choice between sizes; the level prices drafting seconds against verifying seconds.
 
     One instance is shared by every request's policy in a run (the machine, not the request, sets the cost).
     Calling it gives the isotonic fit of level * ratio; `version` changes whenever an observation arrives.
@@ -152,18 +152,20 @@ class LearnedVerifyCost:
         self.version = 0
         self._fit = self.shape
 
+    def _probe_ratio(self, n: int) -> float:
+        return self.shape(n) / self.shape(1)
+
     def ratio(self, n: int) -> float:
         """T(n) / T(1): the probe's, blended with the adjacent-pass samples (the probe counts probe_weight)."""
-        prior = self.shape(n) / self.shape(1)
         total, count = self.samples.get(n, (0.0, 0.0))
-        return (self.probe_weight * prior + total) / (self.probe_weight + count)
+        return (self.probe_weight * self._probe_ratio(n) + total) / (self.probe_weight + count)
 
     def measured(self, n: int) -> float:
         """T(n) / T(1) from the samples alone (the probe's where there are none): what a sample is chained
         through. Chaining through the blend would pull every larger size toward the probe once more per link
         (a probe that read a steep curve flat priced 7-token drafts at a third of their cost)."""
         if n == 1 or n not in self.samples:
-            return self.shape(n) / self.shape(1)
+            return self._probe_ratio(n)
         total, count = self.samples[n]
         return total / count
 
@@ -185,8 +187,8 @@ class LearnedVerifyCost:
         self.timed = [self.decay * total + unit, self.decay * count + 1.0]
         # a size weighs what was timed at it: an untimed one's probe value must not pool a timed one down
         est = self.estimate()
-        counts = {n: c for n, (_, c) in self.samples.items()} | {1: self.timed[1]}
-        self._fit = isotonic(est, {n: self.probe_weight + counts.get(n, 0.0) for n in est.seconds})
+        counts = {size: c for size, (_, c) in self.samples.items()} | {1: self.timed[1]}
+        self._fit = isotonic(est, {size: self.probe_weight + counts.get(size, 0.0) for size in est.seconds})
         self.version += 1
 
     def estimate(self) -> VerifyCost:

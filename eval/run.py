@@ -143,8 +143,8 @@ def _load(target_cfg: TargetConfig, loaded: tuple[nn.Module, Any, Any] | None, h
         head, head_cfg, _ = load_head(head_dir, io)  # refuses another target's head, naming why
         # the head casts the target's features and embeddings to its own dtype (each family's drafter)
         drafts_in = dtype_name(place_head(head, device, next(model.parameters()).dtype, ev.draft_dtype, log))
-        if wide_rows(head):
-            drafts_in += f" (float32 from {wide_rows(head)} rows)"
+        if rows := wide_rows(head):
+            drafts_in += f" (float32 from {rows} rows)"
     hybrid = drafter == "head+ngram"
     name = head_cfg.family if head_cfg is not None else "head"
     main = "ngram" if drafter == "ngram" else f"{name}+ngram" if hybrid else name
