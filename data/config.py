@@ -329,7 +329,10 @@ class EvalConfig:
     # do not depend on it). target: the target's dtype; bfloat16; auto: a CPU float32 target's head drafts in
     # bfloat16 when its matrices run at least 10% faster so on this machine (eval.costs.place_head, printed),
     # else in the target's dtype. A drafted token reads every head matrix once, so on a CPU drafting is bound
-    # by memory traffic, which bfloat16 halves: the quickstart head's 3-token drafts took 30% less time.
+    # by memory traffic, which bfloat16 halves: the quickstart head's 3-token drafts took 30% less time. Inputs of
+    # many rows (the head's begin over the prompt, catch-ups) are bound by arithmetic instead, slower in bfloat16
+    # on a CPU without native bfloat16: auto then runs them in float32 from the row count it times as the
+    # crossing (eval.costs.WideRowsLinear; printed, and in the report's header).
     draft_dtype: Literal["auto", "target", "bfloat16"] = "auto"
     # The target's KV cache in the single-stream runs and the verify curve (data.kvcache): dynamic
     # (transformers' DynamicCache, eager) or static (preallocated; on CUDA every verify size is captured once
