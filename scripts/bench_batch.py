@@ -6,30 +6,35 @@
     python scripts/bench_batch.py --config configs/smollm2-135m-dflash.yaml --together --k 3   # a fresh DFlash head
 
 Where the policy turns drafting off, speculative decoding must cost what plain decoding costs. Per prompt and
-repeat, the two runs pass-interleaved (one pass of each in turn, each timed over its own passes; plain steps
-first, then second, alternating by repeat), this times:
+repeat, three runs pass-interleaved (one pass of each per cycle in a fresh order, each timed over its own passes;
+which run is set up, prefilled and listed first rotates by repeat): plain, a control that is plain again, and
+the drafting-off run. This times:
   single   eval.decoder.plain_steps against speculative_steps with the head's drafter (DeferredSync, as
            eval.run wraps it) under an AdaptivePolicy whose prior says the head never helps and that never
            re-probes: every pass drafts nothing, so the head never runs, but the target pass still captures
            the head's layers (the features the head catches up on when it drafts again)
   batch B  eval.batch.BatchRun plain against the same head + n-gram hybrid under eval.policy.LoadAware
            with a cost surface on which no draft pays (T(B, n) = n * T(B, 1)): every pass gated to plain
-Reported per setting: seconds per pass (decode time / passes, median over repeats) of both, the median of
-the per-repeat ratios (`off_vs_plain`, the bound is 1.01) with their range, and whether the tokens are
-identical. Interleaving puts a machine's drift on both runs alike; the drafting-off pass is also taken apart
-into what it adds: the seconds per pass outside the target's
-forward (drafting, gating, commits, bookkeeping) of both runs, and the forward with the head's capture
-against the forward without it, timed pass by pass alternately. Without --head a fresh head of --config's
+Reported per setting: seconds per pass (decode time / passes, median over repeats) of each; off / plain (the
+bound is 1.01) two ways: `off_vs_plain_paired`, the median over every pass of its ratio to plain's pass of the
+same cycle (hundreds of pairs, the tighter), and `off_vs_plain`, the median of the per-repeat ratios with their
+range; the same two for the control (`control_vs_plain*`: what the machine's noise and the runs' order alone
+read as a ratio; with the runs always built in one order, plain against plain read 1.011x at batch 4 in 5
+repeats, all five above 1); and whether the tokens are identical. Interleaving puts a machine's drift on all
+runs alike. The drafting-off pass is also taken apart into what it adds: the seconds per pass outside the
+target's forward (drafting, gating, commits, bookkeeping) of it and plain, and the forward with the head's
+capture against the forward without it, timed pass by pass alternately. Without --head a fresh head of --config's
 family and shape (default configs/smollm2-135m.yaml: EAGLE-3) is built on the target (its weights do not matter
 for a drafting-off pass, which never drafts, nor for --together's seconds, which draft the same rows either way).
 
 JSON keys: threads, target, head, new_tokens, rows: [{setting, batch_size, plain_pass_ms, off_pass_ms,
-off_vs_plain, off_vs_plain_range, identical, drafted_tokens, plain_outside_ms, off_outside_ms: seconds per pass
-outside the target's forward, the drafting-off pass's own bookkeeping without the forward's noise, and
+control_pass_ms, off_vs_plain_paired, off_vs_plain, off_vs_plain_range, control_vs_plain_paired,
+control_vs_plain, control_vs_plain_range, identical, drafted_tokens, plain_outside_ms, off_outside_ms: seconds per
+pass outside the target's forward, the drafting-off pass's own bookkeeping without the forward's noise, and
 loop_vs_plain: 1 + (off_outside - plain_outside) / plain pass, the share of off_vs_plain that bookkeeping
 explains}], capture: [{batch_size, plain_forward_ms, capture_forward_ms, capture_vs_plain}]: the forward with
-and without the head's capture, timed pass by pass alternately (what remains of a drafting-off pass inside
-the forward, at the prompts' context).
+and without the head's capture on one cache, timed pass by pass alternately (what remains of a drafting-off pass
+inside the forward, at the prompts' context).
 
 `--together` runs only this: at a fixed k, the head's batched decoding with the rows' drafts made and their
 commits settled together (the family's draft_together / settle_together: EAGLE's one head pass per depth and one
@@ -47,6 +52,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +64,7 @@ import torch  # noqa: E402
 
 from data.cli import UserError, cli_main  # noqa: E402
 from data.config import TargetConfig, load_config  # noqa: E402
+from data.features import FeatureCapture  # noqa: E402
 from data.kvcache import timed_pass  # noqa: E402
 from data.regenerate import render_rows  # noqa: E402
 from data.target import load_target  # noqa: E402
@@ -80,37 +87,76 @@ def _never(sources: tuple[str, ...]) -> AdaptivePolicy:
                           probe_every=10**9)
 
 
-def _single(model, ids, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int, tuple]:
-    """(plain seconds per pass, drafting-off seconds per pass, identical, drafted tokens, (plain, drafting-off)
-    seconds per pass outside the target's forward) for one prompt, the two pass-interleaved
-    (eval.decoder.interleave), the first one alternating between repeats."""
-    runs = [plain_steps(model, ids, n),
-            speculative_steps(model, ids, DeferredSync(make_head()), 0, n, policy=_never(("draft",)))]
-    (plain_ids, ps), (off_ids, os_) = _ordered(interleave, runs, first_plain)
-    return (ps.decode_time_s / ps.target_passes, os_.decode_time_s / os_.target_passes,
-            bool(torch.equal(plain_ids, off_ids)), os_.drafted_tokens,
-            tuple((st.decode_time_s - st.forward_time_s) / st.target_passes for st in (ps, os_)))
+def _single(model, ids, make_head, n: int, r: int) -> dict:
+    """One prompt's plain, control (plain again) and drafting-off runs, pass-interleaved (eval.decoder.interleave),
+    started in an order rotated by the repeat r: per run (seconds per pass, outside the forward, tokens, drafted
+    tokens, each pass's seconds)."""
+    passes: dict[str, list[float]] = {"plain": [], "control": [], "off": []}
+    makers = {"plain": lambda: _timed_steps(plain_steps(model, ids, n), passes["plain"]),
+              "control": lambda: _timed_steps(plain_steps(model, ids, n), passes["control"]),
+              "off": lambda: _timed_steps(speculative_steps(model, ids, DeferredSync(make_head()), 0, n,
+                                                            policy=_never(("draft",))), passes["off"])}
+    out = {}
+    for name, (tokens, st) in _rotated(interleave, makers, r).items():
+        out[name] = (st.decode_time_s / st.target_passes, (st.decode_time_s - st.forward_time_s) / st.target_passes,
+                     tokens, st.drafted_tokens, passes[name][1:])  # the first step is the prefill
+    return out
 
 
-def _batched(model, rows, pad, make_head, n: int, first_plain: bool) -> tuple[float, float, bool, int, tuple]:
-    """As _single (eval.batch.interleave_batches), with (plain, drafting-off) seconds per pass outside the
-    target's forward last."""
+def _batched(model, rows, pad, make_head, n: int, r: int) -> dict:
+    """As _single for a batch (eval.batch.BatchRun, eval.batch.interleave_batches); each run its own prefill."""
     b = len(rows)
     steep = {b: VerifyCost({m: m * 0.05 for m in (1, 2, 4, 8, 17)}, context_len=0)}
-    runs = [BatchRun(model, rows, n, pad),
-            BatchRun(model, rows, n, pad, k=4, make_drafter=lambda: HybridDrafter(make_head()),
-                     make_policy=lambda: _never(("head", "ngram")), load=LoadAware(steep))]
-    plain, off = _ordered(interleave_batches, runs, first_plain)
-    return (plain.decode_s / plain.passes, off.decode_s / off.passes, bool(torch.equal(plain.tokens, off.tokens)),
-            off.stats.drafted_tokens, ((plain.decode_s - plain.forward_s) / plain.passes,
-                                       (off.decode_s - off.forward_s) / off.passes))
+    makers = {"plain": lambda: _TimedRun(BatchRun(model, rows, n, pad)),
+              "control": lambda: _TimedRun(BatchRun(model, rows, n, pad)),
+              "off": lambda: _TimedRun(BatchRun(model, rows, n, pad, k=4, make_drafter=lambda: HybridDrafter(make_head()),
+                                                make_policy=lambda: _never(("head", "ngram")), load=LoadAware(steep)))}
+    out = {}
+    for name, (res, seconds) in _rotated(interleave_batches, makers, r).items():
+        out[name] = (res.decode_s / res.passes, (res.decode_s - res.forward_s) / res.passes, res.tokens,
+                     res.stats.drafted_tokens, seconds)
+    return out
 
 
-def _ordered(run_all, runs: list, first_plain: bool) -> list:
-    """run_all(runs) with plain stepping first or second (alternating by repeat); results as [plain, off]."""
-    if first_plain:
-        return run_all(runs)
-    return run_all(runs[::-1])[::-1]
+def _timed_steps(steps, seconds: list[float]):
+    """The generation `steps` (eval.decoder's plain_steps, speculative_steps), each step's seconds appended to
+    `seconds`; returns what it returns."""
+    while True:
+        t = time.perf_counter()
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+        seconds.append(time.perf_counter() - t)
+        yield
+
+
+class _TimedRun:
+    """A BatchRun whose passes' seconds are kept one by one; result() is (its result, those seconds)."""
+
+    def __init__(self, run: BatchRun):
+        self.run, self.seconds = run, []
+
+    @property
+    def done(self) -> bool:
+        return self.run.done
+
+    def step(self) -> None:
+        t = time.perf_counter()
+        self.run.step()
+        self.seconds.append(time.perf_counter() - t)
+
+    def result(self) -> tuple:
+        return self.run.result(), self.seconds
+
+
+def _rotated(run_all, makers: dict, r: int) -> dict:
+    """run_all over the runs `makers` build, built and listed in an order rotated by the repeat r (which run is
+    set up, prefilled and first in the cycle order changes between repeats); results by name."""
+    names = list(makers)
+    names = names[r % len(names):] + names[:r % len(names)]
+    runs = [makers[m]() for m in names]
+    return dict(zip(names, run_all(runs)))
 
 
 def _head_factory(args, io, device, dtype):
@@ -128,40 +174,56 @@ def _head_factory(args, io, device, dtype):
 
 
 def _measure(name: str, b: int, fn, repeats: int) -> dict:
-    plain, off, same, drafted, outside = [], [], True, 0, []
-    for r in range(repeats):
-        p, o, s, d, x = fn(r)
-        plain.append(p)
-        off.append(o)
-        same, drafted = same and s, drafted + d
-        outside.append(x)
-    pm, om = statistics.median(plain), statistics.median(off)
-    ratios = sorted(o / p for o, p in zip(off, plain))
-    # the ratio of each repeat's pair (pass-interleaved), then their median: drift between repeats cancels;
-    # the spread of the ratios says how far the machine's noise lets that median be trusted
-    row = {"setting": name, "batch_size": b, "plain_pass_ms": 1000 * pm, "off_pass_ms": 1000 * om,
-           "off_vs_plain": statistics.median(ratios), "off_vs_plain_range": [ratios[0], ratios[-1]],
-           "identical": same, "drafted_tokens": drafted,
+    """fn(r) per repeat r (_single or _batched); the row of the table."""
+    reps = [fn(r) for r in range(repeats)]
+    ms = {m: 1000 * statistics.median(x[m][0] for x in reps) for m in ("plain", "off", "control")}
+    # the ratio of each repeat's runs (pass-interleaved), then their median: drift between repeats cancels; the
+    # control (plain against plain, the same way) is what the machine's noise alone reads as a ratio
+    ratios = {m: sorted(x[m][0] / x["plain"][0] for x in reps) for m in ("off", "control")}
+    # pass against pass of the same cycle (the runs take the same passes: drafting off, identical tokens): a
+    # repeat's ratio averages its passes' noise once, these pairs are hundreds of samples of it
+    paired = {m: statistics.median(a / b for x in reps for a, b in zip(x[m][4], x["plain"][4]))
+              for m in ("off", "control")}
+    row = {"setting": name, "batch_size": b, "plain_pass_ms": ms["plain"], "off_pass_ms": ms["off"],
+           "control_pass_ms": ms["control"],
+           "off_vs_plain": statistics.median(ratios["off"]), "off_vs_plain_range": [ratios["off"][0], ratios["off"][-1]],
+           "control_vs_plain": statistics.median(ratios["control"]),
+           "control_vs_plain_range": [ratios["control"][0], ratios["control"][-1]],
+           "off_vs_plain_paired": paired["off"], "control_vs_plain_paired": paired["control"],
+           "identical": all(torch.equal(x["plain"][2], x[m][2]) for x in reps for m in ("off", "control")),
+           "drafted_tokens": sum(x["off"][3] for x in reps),
            # time outside the target's forward: the bookkeeping a drafting-off pass adds, without its noise
-           "plain_outside_ms": 1000 * statistics.median(x[0] for x in outside),
-           "off_outside_ms": 1000 * statistics.median(x[1] for x in outside)}
+           "plain_outside_ms": 1000 * statistics.median(x["plain"][1] for x in reps),
+           "off_outside_ms": 1000 * statistics.median(x["off"][1] for x in reps)}
     row["loop_vs_plain"] = 1 + (row["off_outside_ms"] - row["plain_outside_ms"]) / row["plain_pass_ms"]
     return row
 
 
 def _capture_cost(model, capture, b: int, context: int, pairs: int) -> dict:
-    """What a drafting-off pass adds inside the forward: the capture of the head's layers. Two caches of the same
-    B rows of `context` random tokens, one capturing; passes timed alternately, one of each per pair (noise
-    that drifts over seconds hits both sides of a pair alike), each pass dropped again."""
+    """What a drafting-off pass adds inside the forward: the capture of the head's layers (its hooks around the
+    pass and the features' concatenation, as DynamicKV does it). One cache of B rows of `context` random tokens,
+    its passes with and without the capture timed alternately, one of each per pair (noise that drifts over
+    seconds hits both sides of a pair alike), each pass dropped again. One cache, not a capturing and a plain
+    one: two caches of the same rows differed by about 1% between themselves (docs/batching.md)."""
     vocab = int(model.get_output_embeddings().weight.shape[0])
     g = torch.Generator().manual_seed(b)
-    ctx = torch.randint(vocab, (b, context), generator=g)
-    caches = [context_cache(model, ctx, layers) for layers in (None, capture)]
+    kv = context_cache(model, torch.randint(vocab, (b, context), generator=g))
     ids = torch.randint(vocab, (b, 1), generator=g)
+    cap = FeatureCapture(model, capture)
+
+    def captured() -> float:
+        t = time.perf_counter()
+        with cap:
+            kv.run(ids)
+        cap.features()
+        dt = time.perf_counter() - t
+        kv.keep([])
+        return dt
+
     times: list[list[float]] = [[], []]
     for i in range(pairs + 1):
         order = (0, 1) if i % 2 == 0 else (1, 0)
-        dts = {j: timed_pass(caches[j], ids) for j in order}
+        dts = {j: captured() if j else timed_pass(kv, ids) for j in order}
         if i:  # the first pair warms up
             times[0].append(dts[0])
             times[1].append(dts[1])
@@ -177,11 +239,11 @@ def _together(model, rows, pad, make_head, n: int, k: int, repeats: int) -> dict
     same = True
     shared = SharedPrefill(model, rows, pad)  # decoding alone is timed: every run forks one prefill of the rows
     for r in range(repeats):
-        runs = {"plain": BatchRun(model, rows, n, pad, shared=shared),
-                "together": BatchRun(model, rows, n, pad, k=k, make_drafter=make_head, shared=shared),
-                "alone": BatchRun(model, rows, n, pad, k=k, make_drafter=make_head, together=False, shared=shared)}
-        order = list(runs) if r % 2 == 0 else list(runs)[::-1]  # who steps first alternates by repeat
-        res = dict(zip(order, interleave_batches([runs[m] for m in order])))
+        makers = {"plain": lambda: BatchRun(model, rows, n, pad, shared=shared),
+                  "together": lambda: BatchRun(model, rows, n, pad, k=k, make_drafter=make_head, shared=shared),
+                  "alone": lambda: BatchRun(model, rows, n, pad, k=k, make_drafter=make_head, together=False,
+                                            shared=shared)}
+        res = _rotated(interleave_batches, makers, r)
         for m in rates:
             rates[m].append(res[m].tokens_per_s)
         for m in ratios:
@@ -227,22 +289,26 @@ def main(argv: list[str] | None = None) -> dict:
     if args.together:
         return _together_table(args, model, rows, pad, make_head, sizes)
     results = [_measure("single stream", 1, lambda r: _single(model, torch.tensor([rows[r % len(rows)]], device=p.device),
-                                                              make_head, n, r % 2 == 0), args.repeats)]
+                                                              make_head, n, r), args.repeats)]
     for b in sizes:
         batch = [rows[i % len(rows)] for i in range(b)]
-        results.append(_measure(f"batch {b}, load-aware", b, lambda r, batch=batch: _batched(model, batch, pad, make_head, n, r % 2 == 0),
+        results.append(_measure(f"batch {b}, load-aware", b, lambda r, batch=batch: _batched(model, batch, pad, make_head, n, r),
                                 args.repeats))
     capture = make_head().capture_layers
-    forwards = [_capture_cost(model, capture, b, len(rows[0]), 8 * args.repeats) for b in [1, *sizes]]
+    forwards = [_capture_cost(model, capture, b, len(rows[0]), 8 * args.repeats) for b in sorted({1, *sizes})]
     print(f"target {args.target}, head {_head_name(args)} (never drafts), {torch.get_num_threads()} "
           f"threads, {n} new tokens per row, median of {args.repeats}")
-    print("| setting | plain ms/pass | drafting off ms/pass | off / plain (range) | outside the forward ms/pass, "
-          "plain / off | of which the loop | identical | drafted tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| setting | plain ms/pass | drafting off ms/pass | off / plain: pass by pass; per repeat (range) | "
+          "control, plain / plain: pass by pass; per repeat (range) | outside the forward ms/pass, plain / off | "
+          "of which the loop | identical | drafted tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         lo, hi = r["off_vs_plain_range"]
-        print(f"| {r['setting']} | {r['plain_pass_ms']:.1f} | {r['off_pass_ms']:.1f} | {r['off_vs_plain']:.3f}x "
-              f"({lo:.2f}-{hi:.2f}) | {r['plain_outside_ms']:.2f} / {r['off_outside_ms']:.2f} | "
+        clo, chi = r["control_vs_plain_range"]
+        print(f"| {r['setting']} | {r['plain_pass_ms']:.1f} | {r['off_pass_ms']:.1f} | "
+              f"{r['off_vs_plain_paired']:.3f}x; {r['off_vs_plain']:.3f}x ({lo:.2f}-{hi:.2f}) | "
+              f"{r['control_vs_plain_paired']:.3f}x; {r['control_vs_plain']:.3f}x ({clo:.2f}-{chi:.2f}) | "
+              f"{r['plain_outside_ms']:.2f} / {r['off_outside_ms']:.2f} | "
               f"{r['loop_vs_plain']:.3f}x | {'yes' if r['identical'] else 'NO'} | {r['drafted_tokens']} |")
     print("\n| batch | forward ms, plain | with the head's capture | capture / plain (pass by pass) |")
     print("|---|---|---|---|")

@@ -1019,7 +1019,8 @@ def test_deferred_commits_keep_their_features_when_the_pass_buffers_are_reused()
 
 def test_bench_batch_runs_on_the_tiny_target(tmp_path):
     """scripts/bench_batch.py end to end on the tiny target with a fresh head: the drafting-off runs draft
-    nothing and match plain token for token; every row splits each pass into the forward and the rest."""
+    nothing and match plain token for token, as does the plain control; every row splits each pass into the
+    forward and the rest."""
     import importlib.util
     import json
 
@@ -1031,8 +1032,9 @@ def test_bench_batch_runs_on_the_tiny_target(tmp_path):
     assert json.loads((tmp_path / "b.json").read_text()) == json.loads(json.dumps(out))
     single, batch = out["rows"]
     assert all(r["identical"] and r["drafted_tokens"] == 0 for r in out["rows"])
-    lo, hi = batch["off_vs_plain_range"]
-    assert lo <= batch["off_vs_plain"] <= hi
+    for key in ("off_vs_plain", "control_vs_plain"):  # the control is plain run again beside the other two
+        lo, hi = batch[f"{key}_range"]
+        assert lo <= batch[key] <= hi and batch[f"{key}_paired"] > 0
     for r in (single, batch):
         assert 0 < r["plain_outside_ms"] < r["plain_pass_ms"] and 0 < r["off_outside_ms"] < r["off_pass_ms"]
         assert r["loop_vs_plain"] == 1 + (r["off_outside_ms"] - r["plain_outside_ms"]) / r["plain_pass_ms"]
