@@ -259,10 +259,10 @@ def _round_robin(kv: KVCache, blocks: dict[int, torch.Tensor], repeats: int, syn
 
 
 @torch.no_grad()
-def context_cache(model: nn.Module, ctx: torch.Tensor, capture: Sequence[int] | None = None) -> DynamicKV:
+def context_cache(model: nn.Module, ctx: torch.Tensor) -> DynamicKV:
     """A batched DynamicKV holding the B rows of `ctx` [B, T] (no padding) as committed context, the batched
-    decoder's cache to time passes on (capturing `capture`'s layers when given: scripts/bench_batch.py)."""
-    kv = DynamicKV(model, capture)
+    decoder's cache to time passes on (measure_cost_surface, scripts/bench_batch.py)."""
+    kv = DynamicKV(model)
     kv.run(ctx, logits_to_keep=1, pad=torch.ones_like(ctx))
     kv.keep(range(ctx.shape[1]))
     return kv

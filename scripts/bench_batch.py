@@ -204,7 +204,7 @@ def _capture_cost(model, capture, b: int, context: int, pairs: int) -> dict:
     pass and the features' concatenation, as DynamicKV does it). One cache of B rows of `context` random tokens,
     its passes with and without the capture timed alternately, one of each per pair (noise that drifts over
     seconds hits both sides of a pair alike), each pass dropped again. One cache, not a capturing and a plain
-    one: two caches of the same rows differed by about 1% between themselves (docs/batching.md)."""
+    one: two caches of the same rows can differ by about 1% between themselves (docs/batching.md)."""
     vocab = int(model.get_output_embeddings().weight.shape[0])
     g = torch.Generator().manual_seed(b)
     kv = context_cache(model, torch.randint(vocab, (b, context), generator=g))
