@@ -1040,6 +1040,34 @@ def test_bench_batch_runs_on_the_tiny_target(tmp_path):
         assert r["loop_vs_plain"] == 1 + (r["off_outside_ms"] - r["plain_outside_ms"]) / r["plain_pass_ms"]
 
 
+def test_bench_batch_pairs_each_pass_with_plain_and_rotates_the_build_order():
+    """bench_batch's estimators on made-up seconds: pass by pass, each run's pass against plain's pass of the same
+    cycle (not the control's, not another repeat's); per repeat, the ratio of seconds per pass. _rotated builds
+    the runs in an order rotated by the repeat and hands the results back by name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_batch", ROOT / "scripts" / "bench_batch.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tok = torch.zeros(4, dtype=torch.long)
+    plain = [[1.0, 2.0, 4.0, 8.0], [3.0, 5.0, 6.0, 9.0], [6.0, 7.0, 5.0, 9.0]]  # the machine drifting pass by pass
+
+    def run(r: int) -> dict:
+        p = plain[r]
+        return {m: (f * sum(p) / 4, 0.1, tok, 0, [f * x for x in p]) for m, f in
+                (("plain", 1.0), ("control", 1.02), ("off", 1.05))}
+
+    row = mod._measure("made up", 1, run, 3)
+    assert row["off_vs_plain_paired"] == pytest.approx(1.05) and row["control_vs_plain_paired"] == pytest.approx(1.02)
+    assert row["off_vs_plain"] == pytest.approx(1.05) and row["identical"]
+    built = []
+    makers = {m: (lambda m=m: built.append(m) or m) for m in ("plain", "control", "off")}
+    for r, first in enumerate(["plain", "control", "off", "plain"]):
+        built.clear()
+        assert mod._rotated(lambda runs: [f"ran {x}" for x in runs], makers, r) == {m: f"ran {m}" for m in makers}
+        assert built[0] == first and sorted(built) == sorted(makers)
+
+
 @pytest.mark.parametrize("config", [None, "tiny-dflash.yaml", "tiny-medusa.yaml", "tiny-mtp.yaml"])
 def test_bench_batch_together_compares_drafting_together_with_row_by_row(tmp_path, config):
     """scripts/bench_batch.py --together on the tiny target, a fresh head of the quickstart's EAGLE-3 shape or of
