@@ -54,6 +54,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -87,10 +88,20 @@ def _never(sources: tuple[str, ...]) -> AdaptivePolicy:
                           probe_every=10**9)
 
 
+class _Run(NamedTuple):
+    """One run of one repeat: seconds per pass, of which outside the target's forward, its tokens, the tokens it
+    drafted, and each pass's seconds."""
+
+    pass_s: float
+    outside_s: float
+    tokens: torch.Tensor
+    drafted: int
+    passes: list[float]
+
+
 def _single(model, ids, make_head, n: int, r: int) -> dict:
     """One prompt's plain, control (plain again) and drafting-off runs, pass-interleaved (eval.decoder.interleave),
-    started in an order rotated by the repeat r: per run (seconds per pass, outside the forward, tokens, drafted
-    tokens, each pass's seconds)."""
+    started in an order rotated by the repeat r: a _Run per run."""
     passes: dict[str, list[float]] = {"plain": [], "control": [], "off": []}
     makers = {"plain": lambda: _timed_steps(plain_steps(model, ids, n), passes["plain"]),
               "control": lambda: _timed_steps(plain_steps(model, ids, n), passes["control"]),
@@ -98,8 +109,8 @@ def _single(model, ids, make_head, n: int, r: int) -> dict:
                                                             policy=_never(("draft",))), passes["off"])}
     out = {}
     for name, (tokens, st) in _rotated(interleave, makers, r).items():
-        out[name] = (st.decode_time_s / st.target_passes, (st.decode_time_s - st.forward_time_s) / st.target_passes,
-                     tokens, st.drafted_tokens, passes[name][1:])  # the first step is the prefill
+        out[name] = _Run(st.decode_time_s / st.target_passes, (st.decode_time_s - st.forward_time_s) / st.target_passes,
+                         tokens, st.drafted_tokens, passes[name][1:])  # the first step is the prefill
     return out
 
 
@@ -113,8 +124,8 @@ def _batched(model, rows, pad, make_head, n: int, r: int) -> dict:
                                                 make_policy=lambda: _never(("head", "ngram")), load=LoadAware(steep)))}
     out = {}
     for name, (res, seconds) in _rotated(interleave_batches, makers, r).items():
-        out[name] = (res.decode_s / res.passes, (res.decode_s - res.forward_s) / res.passes, res.tokens,
-                     res.stats.drafted_tokens, seconds)
+        out[name] = _Run(res.decode_s / res.passes, (res.decode_s - res.forward_s) / res.passes, res.tokens,
+                         res.stats.drafted_tokens, seconds)
     return out
 
 
@@ -174,15 +185,15 @@ def _head_factory(args, io, device, dtype):
 
 
 def _measure(name: str, b: int, fn, repeats: int) -> dict:
-    """fn(r) per repeat r (_single or _batched); the row of the table."""
+    """fn(r) per repeat r (_single or _batched: a _Run by name); the row of the table."""
     reps = [fn(r) for r in range(repeats)]
-    ms = {m: 1000 * statistics.median(x[m][0] for x in reps) for m in ("plain", "off", "control")}
+    ms = {m: 1000 * statistics.median(x[m].pass_s for x in reps) for m in ("plain", "off", "control")}
     # the ratio of each repeat's runs (pass-interleaved), then their median: drift between repeats cancels; the
     # control (plain against plain, the same way) is what the machine's noise alone reads as a ratio
-    ratios = {m: sorted(x[m][0] / x["plain"][0] for x in reps) for m in ("off", "control")}
+    ratios = {m: sorted(x[m].pass_s / x["plain"].pass_s for x in reps) for m in ("off", "control")}
     # pass against pass of the same cycle (the runs take the same passes: drafting off, identical tokens): a
     # repeat's ratio averages its passes' noise once, these pairs are hundreds of samples of it
-    paired = {m: statistics.median(a / b for x in reps for a, b in zip(x[m][4], x["plain"][4]))
+    paired = {m: statistics.median(a / b for x in reps for a, b in zip(x[m].passes, x["plain"].passes))
               for m in ("off", "control")}
     row = {"setting": name, "batch_size": b, "plain_pass_ms": ms["plain"], "off_pass_ms": ms["off"],
            "control_pass_ms": ms["control"],
@@ -190,11 +201,11 @@ def _measure(name: str, b: int, fn, repeats: int) -> dict:
            "control_vs_plain": statistics.median(ratios["control"]),
            "control_vs_plain_range": [ratios["control"][0], ratios["control"][-1]],
            "off_vs_plain_paired": paired["off"], "control_vs_plain_paired": paired["control"],
-           "identical": all(torch.equal(x["plain"][2], x[m][2]) for x in reps for m in ("off", "control")),
-           "drafted_tokens": sum(x["off"][3] for x in reps),
+           "identical": all(torch.equal(x["plain"].tokens, x[m].tokens) for x in reps for m in ("off", "control")),
+           "drafted_tokens": sum(x["off"].drafted for x in reps),
            # time outside the target's forward: the bookkeeping a drafting-off pass adds, without its noise
-           "plain_outside_ms": 1000 * statistics.median(x["plain"][1] for x in reps),
-           "off_outside_ms": 1000 * statistics.median(x["off"][1] for x in reps)}
+           "plain_outside_ms": 1000 * statistics.median(x["plain"].outside_s for x in reps),
+           "off_outside_ms": 1000 * statistics.median(x["off"].outside_s for x in reps)}
     row["loop_vs_plain"] = 1 + (row["off_outside_ms"] - row["plain_outside_ms"]) / row["plain_pass_ms"]
     return row
 

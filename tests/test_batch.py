@@ -1054,7 +1054,7 @@ def test_bench_batch_pairs_each_pass_with_plain_and_rotates_the_build_order():
 
     def run(r: int) -> dict:
         p = plain[r]
-        return {m: (f * sum(p) / 4, 0.1, tok, 0, [f * x for x in p]) for m, f in
+        return {m: mod._Run(f * sum(p) / 4, 0.1, tok, 0, [f * x for x in p]) for m, f in
                 (("plain", 1.0), ("control", 1.02), ("off", 1.05))}
 
     row = mod._measure("made up", 1, run, 3)
