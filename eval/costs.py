@@ -177,9 +177,10 @@ class VerifyCost:
         """T(n), linear between measured n (and along the last segment's slope beyond them)."""
         if n < 1:
             raise ValueError(f"VerifyCost: n must be >= 1, got {n}")
+        t = self.seconds.get(n)
+        if t is not None:  # a measured size, before any sorting: the policy asks for these on every pass
+            return t
         ks = sorted(self.seconds)
-        if n in self.seconds:
-            return self.seconds[n]
         if len(ks) == 1:
             return self.seconds[ks[0]]
         lo, hi = (ks[0], ks[1]) if n < ks[0] else (ks[-2], ks[-1])

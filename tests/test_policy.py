@@ -476,6 +476,43 @@ def test_fast_length_search_is_the_cost_model_argmax():
         assert pol.predicted_speedup(fast) == pytest.approx(pol.predicted_speedup(dict(zip(sources, brute))))
 
 
+def test_the_plain_bound_never_changes_the_choice():
+    """best_lengths returns plain without pricing each candidate when the deepest E over the cheapest pass cannot
+    beat the margin. Near break-even (low acceptance, costs and margins around a draft's worth, curves of any
+    nondecreasing shape) its choice is still the exhaustive search's, plain or not, and the bound is what decides
+    most of the plain passes. Planted: the bound's E from the first depth only, or its pass priced at the most
+    nodes, each return plain where a deeper draft pays, and fail here."""
+    rng = random.Random(1)
+    plain_by_bound = drafting = 0
+    for trial in range(400):
+        sources = ("head", "ngram") if trial % 2 else ("draft",)
+        raw = {n: n * rng.uniform(0.0, 0.02) for n in (2, 3, 4, 6, 8, 12)} | {1: 0.05}
+        curve = VerifyCost({n: 0.05 + sum(v for m, v in raw.items() if 1 < m <= n) for n in raw}, context_len=0)
+        pol = AdaptivePolicy(curve, {s: DraftCost(rng.uniform(0, 0.01), rng.uniform(0, 0.004)) for s in sources},
+                             {s: [rng.uniform(0.0, 0.7) for _ in range(6)] for s in sources}, k_max=6,
+                             margin=rng.choice([1.0, 1.02, 1.1]))
+        pol.width[sources[0]] = rng.choice([1.0, 2.0])
+        limit = {s: rng.randint(0, 6) for s in sources}
+        speeds = {ls: pol.predicted_speedup(dict(zip(sources, ls)))
+                  for ls in itertools.product(*(range(limit[s] + 1) for s in sources)) if any(ls)}
+        best = max(speeds.values(), default=0.0)
+        chosen = pol.best_lengths(sources, limit)
+        if best > pol.margin * (1 + 1e-9):
+            drafting += 1
+            assert pol.predicted_speedup(chosen) == pytest.approx(best, rel=1e-12), trial
+        else:
+            assert not any(chosen.values()), trial
+            calls = []
+            pol._t_version = -1  # every T(n) through the counted function
+            counted, pol.verify = pol.verify, lambda n, f=pol.verify, seen=calls: seen.append(n) or f(n)
+            pol.verify.version = counted.version
+            pol.best_lengths(sources, limit)
+            pol.verify = counted
+            plain_by_bound += len(set(calls)) <= 2 and len(speeds) > 1  # T(1) and the cheapest pass only
+    # drafts, plain passes the bound decides, and plain passes it leaves to the full search, each well exercised
+    assert drafting >= 50 and plain_by_bound >= 100 and 400 - drafting - plain_by_bound >= 50, (drafting, plain_by_bound)
+
+
 # ----------------------------------------------------------------------------------------------- sync
 class OracleNgram(NgramDrafter):
     """An n-gram proposer that knows the greedy continuation `ref` (2 tokens at a time): its branches get
