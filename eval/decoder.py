@@ -456,7 +456,14 @@ class Verdict:
 def judge(tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
           generator: torch.Generator | None) -> Verdict:
     """One verify pass's decision: logits [len(tree) + 1, V] of [root, nodes...] through the target's processors
-    and `verify_tree`. The single-stream decoder and every row of the batched loop (eval.batch) call this."""
+    and `verify_tree`. The single-stream decoder and every row of the batched loop (eval.batch) call this.
+
+    An empty tree (a pass that drafted nothing) takes the next token as plain decoding does (`_next_token`: the
+    same rule, the same draws from `generator`), without the walk's lists: about 0.01 ms of a drafting-off pass,
+    paid per row in a batch (scripts/bench_batch.py)."""
+    if not len(tree):
+        nxt = _next_token(logits[-1], temperature, top_k, top_p, generator)
+        return Verdict([], nxt, [0], [nxt])
     rows = logits if temperature <= 0 else target_distribution(logits, temperature, top_k, top_p)
     accepted, nxt = verify_tree(tree, rows, temperature, generator)
     draft_tokens = tree.tokens.tolist()
