@@ -511,6 +511,10 @@ MUTANTS: list[Mutant] = [
     Mutant("eagle1_logits_in_the_heads_dtype", "heads/eagle/model.py",
            "return target.lm_head(o.to(target.lm_head.weight.dtype))", "return target.lm_head(o)",
            ("tests/test_heads.py", "-k", "bfloat16")),
+    # the policy's plain bound under-counts E: a pass is left plain where a deeper draft pays
+    Mutant("plain_bound_from_the_first_depth", "eval/policy.py",
+           "e_max = 1.0 + sum(ra[:la_max])", "e_max = 1.0 + sum(ra[:1])",
+           ("tests/test_policy.py", "-k", "plain_bound")),
 ]
 
 
