@@ -189,6 +189,22 @@ def test_batched_heads_of_every_family_are_greedy_identical(tiny_target, family_
     assert spec.stats.drafted_tokens > 0
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["head", "head+ngram"])
+@pytest.mark.parametrize("family", [n for n in registry.names() if "static" in registry.get(n).trees])
+def test_batched_static_trees_are_greedy_identical(tiny_target, family_heads, family, hybrid):
+    """eval.tree static (Medusa's choices, the block drafter's top-k tree over its slots) per row of a batch, alone
+    and with the n-gram merged in: a tree per row, drafted together where the family can."""
+    model, tok, io = tiny_target
+    prompts = _prompts(tok, 3) + [_prompts(tok, 4)[3] * 2]
+    n = 14
+    plain, _ = _refs(model, tok, prompts, n)
+    make = registry.get(family).drafter_factory(family_heads[family], io, "static", 3)
+    drafter = (lambda: HybridDrafter(make())) if hybrid else make
+    spec = batched_generate(model, prompts, n, tok.pad_token_id, k=3, make_drafter=drafter)
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert spec.stats.drafted_tokens > spec.passes  # trees: more than one node a pass
+
+
 def test_runs_from_one_shared_prefill_are_the_runs_that_prefill_alone(tiny_target, family_heads):
     """The sweep's runs start from one prefill of their prompts (SharedPrefill, forked per run): plain and the
     EAGLE-3 head + n-gram make the same tokens, passes and acceptance as runs that prefill for themselves,

@@ -329,6 +329,77 @@ def test_drafting_together_equals_each_requests_own_draft(tiny_target, variant, 
     assert len(together[0].draft(1, temperature)) == 1 and together[0].ready is None
 
 
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [1, 0, 0]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("variant", ["dflash", "dspark", "shipped"])
+def test_a_tree_ranks_each_parents_slot_logits(tiny_target, variant, temperature):
+    """A tree (eval.tree static) over one block: node (r1..rd) is the rd-th ranked candidate of slot d's logits
+    given its parent's token (the anchor at depth 1), computed here directly from the block's states; its q is
+    that distribution. Siblings are distinct; a sequential head's children of different parents differ, a plain
+    head's do not (it reads no previous token). Truncating to k keeps the paths of depth <= k; drafting together
+    gives each request its own tree. Planted: every depth's parent taken as the anchor, or slot d's logits read
+    at slot d + 1, fail it."""
+    model, _, io = tiny_target
+    _, head = _head(io, seed=4, **VARIANTS[variant])
+    if head.markov_head is not None:  # its bias (sd 0.03 logits against the base logits' 3) made about as large
+        with torch.no_grad():
+            head.markov_head.markov_w2.weight.mul_(100.0)
+    torch.manual_seed(1)
+    ids = torch.randint(0, io.vocab_size, (1, 16))
+    feats, _ = forward_features(model, ids, None, LAYERS)
+
+    def begun(n: int):
+        d = dflash.drafter(head, io, tree=TREE)
+        d.begin(ids[:, :n], feats.slice(0, n), int(ids[0, n]))
+        return d
+
+    d = begun(12)
+    tree = d.draft(3, temperature)
+    assert tree.sampling == "topk" and len(tree) == len(TREE) == d.nodes(3)
+    h = d.block_states()
+    paths = sorted(map(tuple, TREE), key=lambda p: (len(p), p))
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    for i, p in enumerate(paths):
+        prev = d.anchor if parents[i] < 0 else tokens[parents[i]]
+        slot = head.first_slot + len(p) - 1
+        logits = head.slot_logits(h[len(p) - 1][None, None], torch.tensor([[prev]]), io, [slot])[0, 0].float()
+        assert tokens[i] == int(head.to_target_ids(logits.topk(p[-1] + 1).indices[p[-1]])), (variant, p)
+        if temperature > 0:
+            want = head.to_target_probs(torch.softmax(logits / temperature, -1), io.vocab_size)
+            torch.testing.assert_close(tree.probs[i], want)
+        else:
+            assert tree.probs is None
+    by_parent: dict[int, list[int]] = {}
+    for i, par in enumerate(parents):
+        by_parent.setdefault(par, []).append(tokens[i])
+    assert all(len(set(kids)) == len(kids) for kids in by_parent.values())
+    firsts = [tokens[i] for i, p in enumerate(paths) if len(p) == 2 and p[-1] == 0]  # rank 0 under each parent
+    assert (len(set(firsts)) > 1) == head.sequential, firsts
+    short = begun(12).draft(2, temperature)
+    assert short.tokens.tolist() == [t for t, p in zip(tokens, paths) if len(p) <= 2] and d.nodes(2) == len(short)
+    alone, together = [begun(n) for n in (5, 11, 8)], [begun(n) for n in (5, 11, 8)]
+    dflash.DFlashDrafter.draft_together(together, [3, 2, 3], temperature)
+    for a, t, k in zip(alone, together, [3, 2, 3]):
+        assert t.draft(k, temperature).tokens.tolist() == a.draft(k, temperature).tokens.tolist()
+
+
+def test_the_static_tree_is_the_default_shape_cut_to_the_drafting_slots(tiny_target):
+    from heads.base import HeadError
+    from heads.tree import DEFAULT_CHOICES
+
+    _, _, io = tiny_target
+    _, head = _head(io, seed=0)  # block 4: three drafting slots
+    d = dflash.drafter_factory(head, io, tree="static")()
+    assert d.tree.paths == sorted((tuple(p) for p in DEFAULT_CHOICES if len(p) <= 3), key=lambda p: (len(p), p))
+    assert dflash.drafter_factory(head, io, tree="chain")().tree is None
+    with pytest.raises(HeadError, match="dynamic"):
+        dflash.drafter_factory(head, io, tree="dynamic")
+    with pytest.raises(ValueError, match="3 drafting slots"):
+        dflash.drafter(head, io, tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
+
+
 @pytest.mark.parametrize("variant", ["dflash", "anchor"])
 def test_settling_together_equals_each_requests_own_commits(tiny_target, variant):
     """DFlashDrafter.settle_together (the batched decoder's held commits): requests with contexts of different
@@ -417,7 +488,8 @@ def test_one_batch_overfit(tiny_target, variant):
 
 
 @pytest.mark.parametrize("mode,variant", [("alone", "dflash"), ("adaptive", "dflash"), ("hybrid", "dflash"),
-                                          ("alone", "dspark"), ("hybrid", "dspark"), ("hybrid", "anchor")])
+                                          ("alone", "dspark"), ("hybrid", "dspark"), ("hybrid", "anchor"),
+                                          ("tree", "dflash"), ("tree", "shipped"), ("tree_hybrid", "dspark")])
 def test_greedy_speculative_output_equals_plain_decoding(tiny_target, mode, variant):
     from drafters_common import hf_greedy
 
@@ -430,13 +502,13 @@ def test_greedy_speculative_output_equals_plain_decoding(tiny_target, mode, vari
     _, head = _head(io, seed=1, **VARIANTS[variant])
     prompt = torch.randint(0, io.vocab_size, (1, 10))
     ref, eos = hf_greedy(model, prompt, 24)
-    d = dflash.drafter(head, io)
+    d = dflash.drafter(head, io, tree=TREE if mode.startswith("tree") else None)
     policy = None
-    if mode == "hybrid":
+    if mode in ("hybrid", "tree_hybrid"):
         d = HybridDrafter(d)
-    if mode != "alone":
+    if mode not in ("alone", "tree"):
         verify = VerifyCost({n: 1e-3 * (1 + 0.1 * n) for n in range(1, 20)}, 16)
-        names = ("head", "ngram") if mode == "hybrid" else ("draft",)
+        names = ("head", "ngram") if mode.endswith("hybrid") else ("draft",)
         policy = AdaptivePolicy(verify, {s: DraftCost(1e-4, 0.0) for s in names}, {s: [0.6, 0.5, 0.4] for s in names})
     out, stats = speculative_generate(model, prompt, d, k=3, max_new_tokens=24, eos_token_id=eos, policy=policy)
     assert out.tolist() == ref.tolist()

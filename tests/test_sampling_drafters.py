@@ -9,7 +9,9 @@ gives a test power): EAGLE-3 chain and dynamic tree, Medusa (static top-k tree),
 repeats), the DFlash block drafter (trained briefly on the toy target, then sharpened), its DSpark variant
 (every slot drafts, a strong Markov bias: later slots' q depend on the token drawn before) and the quickstart's
 block drafter's options on it (hydra: the anchor feature and a strong head.prev_mlp), and the EAGLE-3
-chain and DSpark heads again drafting in bfloat16 on the float32 target (eval.draft_dtype). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
+chain and DSpark heads again drafting in bfloat16 on the float32 target (eval.draft_dtype), and the DFlash and
+DSpark heads drafting top-k trees over their blocks (eval.tree static; the DSpark tree's candidates depend on
+their parent's token). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
 exact law by Pearson's chi-square (`drafters_common.chi_square`, cells with expected count < 5 pooled); the
 test fails when p < ALPHA = 0.01, so its false-alarm rate is <= 0.01.
 
@@ -45,6 +47,10 @@ lambda = stat - df, and the power P(noncentral chi-square(df, lambda) > critical
     eagle_chain_bf16 1.3 26 23.2 | 154.4  1.000                 | n/a
     dspark_bf16   0.7  23  26.1 | 128.2  1.000                 | n/a
     dspark_bf16   1.3  26  25.7 | 109.4  1.000                 | n/a
+    dflash_tree   0.7  23  28.3 | 124.0  1.000                 | 124.0  1.000
+    dflash_tree   1.3  26  22.3 | 122.4  1.000                 | 122.4  1.000
+    dspark_tree   0.7  23  28.4 | 148.7  1.000                 | 148.7  1.000
+    dspark_tree   1.3  26  28.0 | 178.2  1.000                 | 178.2  1.000
 
 (With only deterministic drafts the two biased rules coincide.) A drafter reporting a q that is not the law
 it sampled from (softmax(l) for a draw from softmax(l / T)) and verify rows built without top-p are planted by
@@ -78,7 +84,8 @@ ALPHA = 0.01
 SHARP = 4.0
 PROMPT = [1, 5, 3, 9, 1, 5, 3, 9, 1]
 DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram", "dflash", "dspark", "hydra",
-            "eagle_chain_bf16", "dspark_bf16"]
+            "eagle_chain_bf16", "dspark_bf16", "dflash_tree", "dspark_tree"]
+BLOCK_TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0]]  # the block drafters' top-k trees (eval.tree static)
 TEMPERATURES = [0.7, 1.3]
 
 
@@ -158,6 +165,8 @@ def build_toy():
         "hydra": lambda i: dflash.drafter(hyd, io, generator=gen(10_000 + i)),
         "eagle_chain_bf16": lambda i: eagle.drafter(e3_bf16, io, generator=gen(10_000 + i)),
         "dspark_bf16": lambda i: dflash.drafter(dsp_bf16, io, generator=gen(10_000 + i)),
+        "dflash_tree": lambda i: dflash.drafter(dfl, io, tree=BLOCK_TREE),
+        "dspark_tree": lambda i: dflash.drafter(dsp, io, tree=BLOCK_TREE),
     }
     return model, io, makers
 
@@ -278,7 +287,7 @@ def _unzeroed_sibling(p, q, token):
 
 _RESIDUAL = decoder.residual_distribution
 BIASED = {"resample_from_p": _resample_from_p, "unzeroed_sibling": _unzeroed_sibling}
-DETERMINISTIC = {"eagle_tree", "medusa", "ngram"}  # drafts without i.i.d. q: the sibling rule applies
+DETERMINISTIC = {"eagle_tree", "medusa", "ngram", "dflash_tree", "dspark_tree"}  # drafts without i.i.d. q: the sibling rule applies
 
 
 def power_table() -> None:

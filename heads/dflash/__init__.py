@@ -41,13 +41,14 @@ The package, one job per module (this file re-exports their public names and dec
     model.py    DFlashAttention, DFlashLayer, MarkovHead, PrevTokenMLP, DFlashHead, block_attention, build,
                 prepare (draft vocab, LM head rows)
     losses.py   loss, block_loss, block_logits, block_alignment, context_mask, sample_anchors
-    drafting.py DFlashDrafter, drafter, drafter_factory
+    drafting.py DFlashDrafter, drafter, drafter_factory, TREES (eval.tree: chain, or static: a top-k tree over
+                the block's slots)
 
 Run the unit tests with `.venv/bin/python -m pytest -q tests/test_dflash.py`.
 """
 
 from heads.dflash.config import DFlashConfig, feature_layers, first_slot, loss_weights, resolved_mask_token
-from heads.dflash.drafting import DFlashDrafter, drafter, drafter_factory
+from heads.dflash.drafting import TREES, DFlashDrafter, drafter, drafter_factory
 from heads.dflash.losses import (
     block_alignment,
     block_logits,
@@ -69,12 +70,12 @@ from heads.dflash.model import (
 from heads.registry import TARGET_ARGMAX, Family
 
 FAMILIES = (Family(name="dflash", config=DFlashConfig, feature_layers=feature_layers, build=build, loss=loss,
-                   drafter_factory=drafter_factory, trees=("chain",), prepare=prepare,
+                   drafter_factory=drafter_factory, trees=TREES, prepare=prepare,
                    reads=lambda cfg: frozenset({TARGET_ARGMAX}), target_labels=lambda cfg: True,
                    tiny="configs/tiny-dflash.yaml"),)
 
 __all__ = [
-    "FAMILIES", "DFlashAttention", "DFlashConfig", "DFlashDrafter", "DFlashHead", "DFlashLayer", "block_alignment",
+    "FAMILIES", "TREES", "DFlashAttention", "DFlashConfig", "DFlashDrafter", "DFlashHead", "DFlashLayer", "block_alignment",
     "block_attention", "block_logits", "block_loss", "build", "context_mask", "drafter", "drafter_factory",
     "feature_layers", "first_slot", "loss", "loss_weights", "MarkovHead", "PrevTokenMLP", "prepare", "resolved_mask_token",
     "sample_anchors",

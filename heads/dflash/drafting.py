@@ -1,7 +1,8 @@
 """The DFlash drafter (the decoder's adapter, heads.types.Drafter): one block pass proposes B - 1 tokens.
 
     d = drafter(head, target, generator=None)
-    make = drafter_factory(head, target, tree="auto", k=4)   # eval.tree: auto / chain
+    d = drafter(head, target, tree=[[0], [1], [0, 0]])      # a top-k tree over the block's slots
+    make = drafter_factory(head, target, tree="auto", k=4)   # eval.tree: auto / chain / static
 
 State between calls: each layer's keys/values of the committed context (positions 0..n-1, from the target's
 features only) and the anchor, the newest token at position n that the target has not processed. `draft(k)` runs
@@ -11,14 +12,22 @@ i's state depends only on the committed prefix (never on k); with a Markov head 
 tokens are then drawn left to right, each slot's q its logits given the token drawn before it (the anchor for
 the first), as vLLM's DSpark speculator does. Either way each drafted token is drawn from a q that depends
 only on the prefix and the chain before it (argmax at temperature 0), which is what exact chain verification
-needs. Nothing drafted is ever kept: `commit` / `commit_tokens` append the target's features of the accepted
+needs.
+
+A tree (eval.tree static, or `tree` choices as Medusa's, heads.tree; cut to the drafting slots): the same one block
+pass, then per depth d the top-ranked candidates of slot d's logits given each parent's token (the anchor for
+depth 1): one logits call per depth for all of that depth's parents, since a sequential head's slot reads the
+token before it; a head that is not reads none, so every parent's candidates are the slot's own. Siblings are
+distinct deterministic candidates (DraftTree sampling "topk"): verification's sibling rule keeps it exact, at
+every temperature, and nothing is drawn. Every node's candidates depend only on the committed prefix and its
+path. Nothing drafted is ever kept: `commit` / `commit_tokens` append the target's features of the accepted
 positions to the context, whatever path (head or n-gram) was accepted.
 
 Several requests at once (the batched decoder's rows, eval.batch): `DFlashDrafter.draft_together(drafters, ks,
 temperature)` runs their blocks in ONE pass (each request's context keys padded to the longest and masked, its
 block at its own positions), and each drafter's next `draft` returns its chain, drawn as its own draft would
-(its own generator, slot by slot with a Markov head, the bias of every request's slot in one call). A drafter
-with `hold` set keeps its commits' features until its next draft or `DFlashDrafter.settle_together(drafters)`,
+(its own generator, slot by slot with a Markov head, the bias of every request's slot in one call), or its tree. A
+drafter with `hold` set keeps its commits' features until its next draft or `DFlashDrafter.settle_together(drafters)`,
 which projects the held positions of several requests into context keys in one pass (the projection is
 position-wise, so the keys are the ones each request's own commit makes).
 
@@ -36,16 +45,23 @@ from torch import nn
 from heads.base import check_eval_tree
 from heads.cache import pad_requests
 from heads.dflash.model import DFlashHead
+from heads.tree import DEFAULT_CHOICES, StaticTree
 from heads.types import DraftTree, Features, TargetIO
+
+TREES = ("chain", "static")  # the eval.tree values drafter_factory maps besides "auto" (a chain)
 
 
 class DFlashDrafter:
     """The decoder's adapter for a DFlash head (see the module docstring)."""
 
-    def __init__(self, head: DFlashHead, target: TargetIO, generator: torch.Generator | None = None):
+    def __init__(self, head: DFlashHead, target: TargetIO, generator: torch.Generator | None = None,
+                 tree: list[list[int]] | None = None):
         self.head, self.target = head.eval(), target
         self.capture_layers: tuple[int, ...] | None = tuple(head.layer_ids)
         self.max_depth = head.block_size - head.first_slot  # the drafting slots: no draft is deeper
+        self.tree = None if tree is None else StaticTree(tree)  # None: chains
+        if self.tree is not None and self.tree.depth > self.max_depth:
+            raise ValueError(f"DFlash tree has depth {self.tree.depth} but the block has {self.max_depth} drafting slots")
         self.generator = generator
         self.device = next(head.parameters()).device
         self.ctx: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -126,15 +142,50 @@ class DFlashDrafter:
         return head.slot_logits(self.block_states(), prev, self.target,
                                 list(range(head.first_slot, head.block_size))).float()
 
+    def nodes(self, k: int) -> int:
+        """How many nodes draft(k) returns (heads.types.Drafter; eval.policy prices a pass by it)."""
+        m = min(k, self.max_depth)
+        return max(m, 0) if self.tree is None or m <= 0 else len(self._shape(m))
+
+    def _shape(self, m: int) -> StaticTree:
+        return self.tree if m >= self.tree.depth else self.tree.truncate(m)
+
     @torch.no_grad()
     def draft(self, k: int, temperature: float) -> DraftTree:
-        m = min(k, self.head.block_size - self.head.first_slot)
+        m = min(k, self.max_depth)
         ready, self.ready = self.ready, None
         if ready is not None and ready[:2] == (m, temperature):
             return ready[2]
         if m <= 0:
             return DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.device))
+        if self.tree is not None:
+            return self._grow(self.block_states()[:m], m, temperature)
         return DFlashDrafter._chains([self], self.block_states()[None, :m], [m], temperature)[0]
+
+    def _grow(self, h: torch.Tensor, m: int, temperature: float) -> DraftTree:
+        """The tree (self.tree cut to depth m) over the drafting slots' states h [>= depth, H]: per depth, the
+        ranked candidates of each parent's slot logits given the parent's token (see the module docstring)."""
+        head, shape = self.head, self._shape(m)
+        paths, parents = shape.paths, shape.parents.tolist()
+        tokens: list[int] = [0] * len(paths)
+        probs: list[torch.Tensor | None] = [None] * len(paths)
+        for d in range(shape.depth):
+            level = [i for i, p in enumerate(paths) if len(p) == d + 1]
+            owners = sorted({parents[i] for i in level})  # -1: the root (the anchor)
+            prev = torch.tensor([self.anchor if o < 0 else tokens[o] for o in owners], device=self.device)
+            slot = head.first_slot + d
+            logits = head.slot_logits(h[d].expand(len(owners), 1, -1), prev[:, None], self.target, [slot])[:, 0]
+            logits = logits.float()
+            ranked = head.to_target_ids(logits.topk(shape.topk, dim=-1).indices)  # temperature keeps the ranking
+            q = (None if temperature <= 0
+                 else head.to_target_probs(torch.softmax(logits / temperature, dim=-1), self.target.vocab_size))
+            row = {o: r for r, o in enumerate(owners)}
+            for i in level:
+                r = row[parents[i]]
+                tokens[i] = int(ranked[r, paths[i][-1]])
+                probs[i] = None if q is None else q[r]
+        return DraftTree(tokens=torch.tensor(tokens, device=self.device), parents=shape.parents.to(self.device),
+                         probs=None if temperature <= 0 else torch.stack(probs), sampling="topk")
 
     @staticmethod
     def _chains(drafters: list[DFlashDrafter], h: torch.Tensor, ms: list[int],
@@ -173,14 +224,14 @@ class DFlashDrafter:
     def draft_together(drafters: list[DFlashDrafter], ks: list[int], temperature: float) -> None:
         """Draft the chains of several requests at once (the batched decoder's rows: eval.batch): one block pass
         per head for all of them, each block at its own positions over its own context (the contexts padded to
-        the longest and masked); drafter i's next draft(ks[i], temperature) returns its chain, the one its own
-        draft would make. Held commits are settled first, together (settle_together)."""
+        the longest and masked); drafter i's next draft(ks[i], temperature) returns its chain (or tree), the one its
+        own draft would make. Held commits are settled first, together (settle_together)."""
         DFlashDrafter.settle_together([d for d, k in zip(drafters, ks) if k > 0])
-        by_head: dict[int, list[tuple[DFlashDrafter, int]]] = {}
+        by_head: dict[tuple[int, bool], list[tuple[DFlashDrafter, int]]] = {}  # one head, chains or trees
         for d, k in zip(drafters, ks):
-            m = min(k, d.head.block_size - d.head.first_slot)
+            m = min(k, d.max_depth)
             if m > 0 and d.anchor is not None:
-                by_head.setdefault(id(d.head), []).append((d, m))
+                by_head.setdefault((id(d.head), d.tree is None), []).append((d, m))
         for rows in by_head.values():
             if len(rows) > 1:
                 DFlashDrafter._draft_rows([d for d, _ in rows], [m for _, m in rows], temperature)
@@ -199,7 +250,9 @@ class DFlashDrafter:
         pos = n[:, None] + torch.arange(bs, device=dev)
         h = head.block_states(emb, pos, ctx, seen[:, None, None, :].expand(-1, 1, bs, -1), first.target)
         states = h[:, head.first_slot : head.first_slot + max(ms)]
-        for d, m, tree in zip(drafters, ms, DFlashDrafter._chains(drafters, states, ms, temperature)):
+        trees = ([d._grow(states[r], m, temperature) for r, (d, m) in enumerate(zip(drafters, ms))]
+                 if first.tree is not None else DFlashDrafter._chains(drafters, states, ms, temperature))
+        for d, m, tree in zip(drafters, ms, trees):
             d.ready = (m, temperature, tree)
 
     @staticmethod
@@ -243,7 +296,12 @@ def drafter(head: nn.Module, target: TargetIO, **kw: Any) -> DFlashDrafter:
 
 
 def drafter_factory(head: nn.Module, target: TargetIO, tree: str = "auto", k: int = 4) -> Callable[[], DFlashDrafter]:
-    """Fresh drafters for eval.tree: auto or chain (a block is a chain); `k` is unused (the length comes with
-    each draft call, at most block_size - 1). Any other tree raises HeadError naming the family."""
-    check_eval_tree(tree, head.family, ("chain",))
-    return lambda: drafter(head, target)
+    """Fresh drafters for eval.tree: auto or chain (a block is a chain), static (heads.tree's default choices cut to
+    the drafting slots); `k` is unused (the length comes with each draft call, at most the drafting slots). Any
+    other tree raises HeadError naming the family."""
+    check_eval_tree(tree, head.family, TREES)
+    if tree != "static":
+        return lambda: drafter(head, target)
+    slots = head.block_size - head.first_slot
+    choices = [list(p) for p in StaticTree(DEFAULT_CHOICES).truncate(slots).paths]
+    return lambda: drafter(head, target, tree=choices)
