@@ -186,9 +186,6 @@ class MedusaDrafter:
             raise ValueError("MedusaDrafter needs the target's last hidden states (capture_layers = ())")
         self.last, self.ready = features.last[0, -1], None
 
-    def _tree(self, k: int) -> StaticTree:
-        return self.tree if k >= self.tree.depth else self.tree.truncate(k)
-
     def _build(self, tree: StaticTree, logits: torch.Tensor, temperature: float) -> DraftTree:
         """The tree from its heads' logits [depth, V]."""
         candidates = logits.topk(tree.topk, dim=-1).indices  # temperature does not change the ranking
@@ -204,7 +201,7 @@ class MedusaDrafter:
             return ready[2]
         if k < 1:
             return DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.last.device))
-        tree = self._tree(k)
+        tree = self.tree.truncate(k)
         return self._build(tree, self.head(self.last, heads=tree.depth).float(), temperature)  # [depth, V]
 
     @staticmethod
@@ -221,7 +218,7 @@ class MedusaDrafter:
         for rows in by_head.values():
             if len(rows) < 2:
                 continue
-            trees = [d._tree(k) for d, k in rows]
+            trees = [d.tree.truncate(k) for d, k in rows]
             lasts = torch.stack([d.last for d, _ in rows])
             logits = rows[0][0].head(lasts, heads=max(t.depth for t in trees)).float()  # [depth, requests, V]
             for r, ((d, k), tree) in enumerate(zip(rows, trees)):

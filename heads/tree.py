@@ -112,9 +112,12 @@ class StaticTree:
         return len(self.paths)
 
     def truncate(self, depth: int) -> StaticTree:
-        """The same tree cut to paths of at most `depth` ranks (depth >= 1)."""
+        """The same tree cut to paths of at most `depth` ranks (depth >= 1); the tree itself when it is no deeper
+        (the drafters cut their shape to each draft's length)."""
         if depth < 1:
             raise ValueError(f"StaticTree.truncate: depth must be >= 1, got {depth}")
+        if depth >= self.depth:
+            return self
         return StaticTree([p for p in self.paths if len(p) <= depth])
 
     def build(self, candidates: torch.Tensor, probs: torch.Tensor | None = None) -> DraftTree:

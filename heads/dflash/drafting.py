@@ -145,10 +145,7 @@ class DFlashDrafter:
     def nodes(self, k: int) -> int:
         """How many nodes draft(k) returns (heads.types.Drafter; eval.policy prices a pass by it)."""
         m = min(k, self.max_depth)
-        return max(m, 0) if self.tree is None or m <= 0 else len(self._shape(m))
-
-    def _shape(self, m: int) -> StaticTree:
-        return self.tree if m >= self.tree.depth else self.tree.truncate(m)
+        return max(m, 0) if self.tree is None or m <= 0 else len(self.tree.truncate(m))
 
     @torch.no_grad()
     def draft(self, k: int, temperature: float) -> DraftTree:
@@ -165,7 +162,7 @@ class DFlashDrafter:
     def _grow(self, h: torch.Tensor, m: int, temperature: float) -> DraftTree:
         """The tree (self.tree cut to depth m) over the drafting slots' states h [>= depth, H]: per depth, the
         ranked candidates of each parent's slot logits given the parent's token (see the module docstring)."""
-        head, shape = self.head, self._shape(m)
+        head, shape = self.head, self.tree.truncate(m)
         paths, parents = shape.paths, shape.parents.tolist()
         tokens: list[int] = [0] * len(paths)
         probs: list[torch.Tensor | None] = [None] * len(paths)
