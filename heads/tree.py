@@ -1,4 +1,4 @@
-"""Draft-tree utilities shared by the decoder (eval.decoder) and the tree-drafting heads (Medusa, EAGLE-2).
+"""Draft-tree utilities shared by the decoder (eval.decoder) and the tree-drafting heads (Medusa, EAGLE-2, DFlash).
 
 A tree hangs below the ROOT, the last committed token that the target has not seen yet. Nodes are numbered
 0..N-1 in topological order (parents first); `parents[i]` is the parent node of node i, -1 for children of the
@@ -8,6 +8,10 @@ the verify input; every helper here that includes the root puts it at index 0.
     tree_layout(parents)  -> (ancestor mask [N+1, N+1] with the root at 0, depths [N] with root children = 1)
     is_chain(parents)     -> True for parents [-1, 0, 1, ..., N-2] (verified with the ordinary causal mask)
     StaticTree(choices)   -> a fixed Medusa-style tree; .build(candidates, probs) makes a DraftTree per step
+    grow_dynamic(root_logits, expand, depth, top_k, total, temperature, to_ids, to_probs)
+                          -> EAGLE-2's dynamic tree over a CandidatePool (the EAGLE and DFlash drafters' trees;
+                             `expand` is the drafter's: the logits of the children of some nodes of one depth)
+    dynamic_nodes(width, depth, total) -> how many nodes such a tree can hold (the policy prices a pass by it)
 
 Medusa-style choices are paths of top-k ranks, one rank per depth: [[0], [1], [0, 0]] is a tree whose root has
 two children (the rank-0 and rank-1 candidates of depth 1) and whose rank-0 child has one child (the rank-0
@@ -16,11 +20,14 @@ candidate of depth 2). This module imports neither eval nor data: heads build th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
+from heads.sampling import draft_distribution
 from heads.types import DraftTree
 
 # A small default static tree (15 nodes, depth 5): wide near the root where candidates disagree most,
@@ -142,3 +149,93 @@ def tree_from_choices(
 ) -> DraftTree:
     """One-off `StaticTree(choices).build(candidates, probs)` (keep a StaticTree to reuse the shape)."""
     return StaticTree(choices).build(candidates, probs)
+
+
+@dataclass
+class Candidate:
+    """One node of an EAGLE-2 dynamic tree while it grows (see CandidatePool)."""
+
+    token: int  # the drafted token, a HEAD-vocab id
+    parent: int  # pool index of its parent node, -1 for a child of the root
+    score: float  # cumulative draft log-prob from the root
+    depth: int  # 1 for a child of the root
+    q: int  # index into CandidatePool.qs of the distribution it was drawn from (its parent's); -1 when greedy
+    state: Any = None  # once expanded: what the drafter keeps for its children (EAGLE: its draft row and output)
+
+
+class CandidatePool:
+    """The nodes of an EAGLE-2 tree in creation order, the distributions they were drawn from, and how many
+    draft rows the expanded nodes occupy (EAGLE's head cache rows; a drafter that keeps none leaves it 0)."""
+
+    def __init__(self, top_k: int, temperature: float):
+        self.top_k, self.temperature = top_k, temperature
+        self.nodes: list[Candidate] = []
+        self.qs: list[torch.Tensor] = []
+        self.rows = 0
+
+    def add_children(self, logits: torch.Tensor, parent: int) -> list[int]:
+        """The `top_k` best children of `parent` (-1 = the root) under `logits`; returns their pool indices."""
+        base, depth = (0.0, 1) if parent < 0 else (self.nodes[parent].score, self.nodes[parent].depth + 1)
+        if self.temperature > 0:
+            self.qs.append(draft_distribution(logits, self.temperature))
+        top = logits.log_softmax(-1).topk(self.top_k)
+        start = len(self.nodes)
+        for val, idx in zip(top.values.tolist(), top.indices.tolist()):
+            self.nodes.append(Candidate(idx, parent, base + val, depth, len(self.qs) - 1))
+        return list(range(start, len(self.nodes)))
+
+    def best(self, frontier: list[int]) -> list[int]:
+        """The `top_k` nodes of `frontier` with the highest scores (stable: earlier nodes win ties)."""
+        return sorted(frontier, key=lambda i: -self.nodes[i].score)[: self.top_k]
+
+    def cutoff(self, total: int) -> float:
+        """The `total`-th best score so far (-inf while there are fewer nodes). It only rises as nodes are added,
+        and a node scoring below it can never be selected, nor can its descendants (a child never scores above
+        its parent): expanding it is wasted head work, and leaving it unexpanded changes no selection."""
+        if len(self.nodes) < total:
+            return float("-inf")
+        return sorted((c.score for c in self.nodes), reverse=True)[total - 1]
+
+    def select(self, total: int) -> tuple[list[int], list[int]]:
+        """The `total` best nodes in tree order (depth, then creation), and each one's parent among them.
+
+        A child never scores above its parent (log-probs <= 0) and ties go to the shallower node, so the
+        selection always includes every selected node's ancestors."""
+        nodes = self.nodes
+        chosen = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:total]
+        chosen.sort(key=lambda i: (nodes[i].depth, i))
+        new_index = {node: j for j, node in enumerate(chosen)}
+        return chosen, [-1 if nodes[i].parent < 0 else new_index[nodes[i].parent] for i in chosen]
+
+
+def grow_dynamic(root_logits: torch.Tensor, expand: Callable[[CandidatePool, list[int]], torch.Tensor], depth: int,
+                 top_k: int, total: int, temperature: float, to_ids: Callable[[torch.Tensor], torch.Tensor],
+                 to_probs: Callable[[torch.Tensor], torch.Tensor]) -> DraftTree:
+    """EAGLE-2's dynamic tree of at most `total` nodes and `depth` levels: the root's `top_k` best children under
+    root_logits [head vocab]; then per depth the `top_k` best nodes of the newest depth by cumulative draft
+    log-prob, those that can still make the selection (CandidatePool.cutoff), each proposing its `top_k` best
+    children under its row of expand(pool, nodes) [len(nodes), head vocab]; finally the `total` best nodes of
+    all depths (ancestor-closed: a child never scores above its parent). Children are deterministic top-k,
+    so the tree is marked sampling="topk", each node's q its parent's distribution when temperature > 0.
+    to_ids / to_probs map head-vocab ids and distributions to the target's (a draft vocabulary's d2t)."""
+    pool = CandidatePool(top_k, temperature)
+    frontier = pool.add_children(root_logits, -1)
+    for _ in range(2, depth + 1):  # the children of depth 2 .. depth
+        floor = pool.cutoff(total)
+        grown = [i for i in pool.best(frontier) if pool.nodes[i].score >= floor]
+        if not grown:  # no deeper node can make the selection
+            break
+        logits = expand(pool, grown)
+        frontier = [c for r, i in enumerate(grown) for c in pool.add_children(logits[r], i)]
+    chosen, parents = pool.select(total)
+    dev = root_logits.device
+    tokens = to_ids(torch.tensor([pool.nodes[i].token for i in chosen], device=dev))
+    probs = None if temperature <= 0 else to_probs(torch.stack([pool.qs[pool.nodes[i].q] for i in chosen]))
+    return DraftTree(tokens=tokens, parents=torch.tensor(parents, dtype=torch.long, device=dev), probs=probs,
+                     sampling="topk")
+
+
+def dynamic_nodes(width: int, depth: int, total: int) -> int:
+    """How many nodes grow_dynamic returns at most: `total`, or fewer when `depth` levels of `width` children
+    per expanded node hold fewer (width at the first depth, width * width at each one after)."""
+    return 0 if depth <= 0 else min(total, width + width * width * (depth - 1))

@@ -342,7 +342,7 @@ MUTANTS: list[Mutant] = [
            "    costs, _ = measure_costs(target, subject, cfg_eval, questions, log)",
            ("tests/test_eval.py", "-k", "reaches_the_turns")),
     # EAGLE-2's tree leaves unexpanded a node that could still make the selection (the cutoff two nodes early)
-    Mutant("dynamic_tree_prunes_live_nodes", "heads/eagle/drafting.py",
+    Mutant("dynamic_tree_prunes_live_nodes", "heads/tree.py",
            "        return sorted((c.score for c in self.nodes), reverse=True)[total - 1]",
            "        return sorted((c.score for c in self.nodes), reverse=True)[max(total - 3, 0)]",
            ("tests/test_eagle.py", "-k", "cannot_make_the_selection")),

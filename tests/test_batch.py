@@ -190,15 +190,18 @@ def test_batched_heads_of_every_family_are_greedy_identical(tiny_target, family_
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["head", "head+ngram"])
-@pytest.mark.parametrize("family", [n for n in registry.names() if "static" in registry.get(n).trees])
-def test_batched_static_trees_are_greedy_identical(tiny_target, family_heads, family, hybrid):
-    """eval.tree static (Medusa's choices, the block drafter's top-k tree over its slots) per row of a batch, alone
-    and with the n-gram merged in: a tree per row, drafted together where the family can."""
+@pytest.mark.parametrize("family,tree", [(n, t) for n in registry.names() for t in ("static", "dynamic")
+                                         if t in registry.get(n).trees])
+def test_batched_trees_are_greedy_identical(tiny_target, family_heads, family, tree, hybrid):
+    """eval.tree static (Medusa's choices, the block drafter's top-k tree over its slots) and dynamic (EAGLE-2's,
+    over EAGLE's steps or the block drafter's slots; top-3, 5 nodes) per row of a batch, alone and with the
+    n-gram merged in: a tree per row, drafted together where the family can."""
     model, tok, io = tiny_target
     prompts = _prompts(tok, 3) + [_prompts(tok, 4)[3] * 2]
     n = 14
     plain, _ = _refs(model, tok, prompts, n)
-    make = registry.get(family).drafter_factory(family_heads[family], io, "static", 3)
+    sizes = {"topk": 3, "tokens": 5} if tree == "dynamic" else {}
+    make = registry.get(family).drafter_factory(family_heads[family], io, tree, 3, **sizes)
     drafter = (lambda: HybridDrafter(make())) if hybrid else make
     spec = batched_generate(model, prompts, n, tok.pad_token_id, k=3, make_drafter=drafter)
     assert torch.equal(spec.tokens, plain.tokens)

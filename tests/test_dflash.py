@@ -385,6 +385,70 @@ def test_a_tree_ranks_each_parents_slot_logits(tiny_target, variant, temperature
         assert t.draft(k, temperature).tokens.tolist() == a.draft(k, temperature).tokens.tolist()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("variant", ["dflash", "dspark", "shipped"])
+def test_a_dynamic_tree_is_eagle2s_over_the_slots(tiny_target, variant, temperature):
+    """eval.tree dynamic over one block, against a direct computation from the block's states: at depth 1 the
+    top_k candidates of the first slot given the anchor; at each depth after, the top_k nodes of the depth
+    before by path log-prob, each with the top_k candidates of the next slot given its own token; the
+    total_tokens best paths of all of them are the tree, each node's q its parent's distribution. nodes(k)
+    counts what draft(k) returns; drafting together gives each request its own tree. Planted: every depth's
+    parent taken as the anchor, or the children's logits read at their parent's slot, fail it (a head that is
+    not sequential reads no parent, so only the second fails it there)."""
+    model, _, io = tiny_target
+    _, head = _head(io, seed=4, **VARIANTS[variant])
+    if head.markov_head is not None:  # its bias made about as large as the base logits (as in the static test)
+        with torch.no_grad():
+            head.markov_head.markov_w2.weight.mul_(100.0)
+    torch.manual_seed(1)
+    ids = torch.randint(0, io.vocab_size, (1, 16))
+    feats, _ = forward_features(model, ids, None, LAYERS)
+    top_k, total = 2, 6
+
+    def begun(n: int):
+        d = dflash.drafter(head, io, tree="dynamic", top_k=top_k, total_tokens=total)
+        d.begin(ids[:, :n], feats.slice(0, n), int(ids[0, n]))
+        return d
+
+    d = begun(12)
+    tree = d.draft(3, temperature)
+    h = d.block_states()
+
+    @torch.no_grad()
+    def slot(path: tuple[int, ...]) -> torch.Tensor:  # the logits of the slot after `path` (target ids)
+        prev = path[-1] if path else d.anchor
+        s = head.first_slot + len(path)
+        return head.slot_logits(h[len(path)][None, None], torch.tensor([[prev]]), io, [s])[0, 0].float()
+
+    level, paths = [((), 0.0)], {}
+    for depth in range(1, 4):
+        grown = level if depth == 1 else sorted(level, key=lambda n: -n[1])[:top_k]
+        level = []
+        for path, score in grown:
+            logp = slot(path).log_softmax(-1)
+            for j in logp.topk(top_k).indices.tolist():
+                level.append((path + (int(head.to_target_ids(torch.tensor(j))),), score + float(logp[j])))
+        paths.update(level)
+    want = sorted(paths, key=lambda p: -paths[p])[:total]
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    got = []
+    for i in range(len(tokens)):
+        got.append((got[parents[i]] if parents[i] >= 0 else ()) + (tokens[i],))
+    assert tree.sampling == "topk" and sorted(got) == sorted(want) and len(got) == d.nodes(3) == total, variant
+    for i, path in enumerate(got):
+        if temperature > 0:
+            q = head.to_target_probs(torch.softmax(slot(path[:-1]) / temperature, -1), io.vocab_size)
+            torch.testing.assert_close(tree.probs[i], q)
+        else:
+            assert tree.probs is None
+    for k in (1, 2):
+        assert len(begun(12).draft(k, temperature)) == d.nodes(k) == min(total, top_k + top_k**2 * (k - 1))
+    alone, together = [begun(n) for n in (5, 11, 8)], [begun(n) for n in (5, 11, 8)]
+    dflash.DFlashDrafter.draft_together(together, [3, 2, 3], temperature)
+    for a, t, k in zip(alone, together, [3, 2, 3]):
+        assert t.draft(k, temperature).tokens.tolist() == a.draft(k, temperature).tokens.tolist()
+
+
 def test_the_static_tree_is_the_default_shape_cut_to_the_drafting_slots(tiny_target):
     from heads.base import HeadError
     from heads.tree import DEFAULT_CHOICES
@@ -393,9 +457,10 @@ def test_the_static_tree_is_the_default_shape_cut_to_the_drafting_slots(tiny_tar
     _, head = _head(io, seed=0)  # block 4: three drafting slots
     d = dflash.drafter_factory(head, io, tree="static")()
     assert d.tree.paths == sorted((tuple(p) for p in DEFAULT_CHOICES if len(p) <= 3), key=lambda p: (len(p), p))
-    assert dflash.drafter_factory(head, io, tree="chain")().tree is None
-    with pytest.raises(HeadError, match="dynamic"):
-        dflash.drafter_factory(head, io, tree="dynamic")
+    assert dflash.drafter_factory(head, io, tree="chain")().chains
+    assert dflash.drafter_factory(head, io, tree="dynamic", topk=3, tokens=5)().sizes == (3, 5)
+    with pytest.raises(HeadError, match="medusa"):
+        dflash.drafter_factory(head, io, tree="medusa")
     with pytest.raises(ValueError, match="3 drafting slots"):
         dflash.drafter(head, io, tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
 
@@ -489,7 +554,8 @@ def test_one_batch_overfit(tiny_target, variant):
 
 @pytest.mark.parametrize("mode,variant", [("alone", "dflash"), ("adaptive", "dflash"), ("hybrid", "dflash"),
                                           ("alone", "dspark"), ("hybrid", "dspark"), ("hybrid", "anchor"),
-                                          ("tree", "dflash"), ("tree", "shipped"), ("tree_hybrid", "dspark")])
+                                          ("tree", "dflash"), ("tree", "shipped"), ("tree_hybrid", "dspark"),
+                                          ("dynamic", "shipped"), ("dynamic_hybrid", "dspark")])
 def test_greedy_speculative_output_equals_plain_decoding(tiny_target, mode, variant):
     from drafters_common import hf_greedy
 
@@ -502,9 +568,10 @@ def test_greedy_speculative_output_equals_plain_decoding(tiny_target, mode, vari
     _, head = _head(io, seed=1, **VARIANTS[variant])
     prompt = torch.randint(0, io.vocab_size, (1, 10))
     ref, eos = hf_greedy(model, prompt, 24)
-    d = dflash.drafter(head, io, tree=TREE if mode.startswith("tree") else None)
+    d = (dflash.drafter(head, io, tree="dynamic", top_k=3, total_tokens=4) if mode.startswith("dynamic")
+         else dflash.drafter(head, io, tree=TREE if mode.startswith("tree") else None))
     policy = None
-    if mode in ("hybrid", "tree_hybrid"):
+    if mode.endswith("hybrid"):
         d = HybridDrafter(d)
     if mode not in ("alone", "tree"):
         verify = VerifyCost({n: 1e-3 * (1 + 0.1 * n) for n in range(1, 20)}, 16)

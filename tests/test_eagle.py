@@ -15,6 +15,7 @@ import torch
 from data.features import forward_features, greedy_ids
 from heads import eagle
 from heads.base import Features, HeadMismatchError, load_head, save_head
+from heads.tree import CandidatePool
 
 
 def _batch(model, head, ids, loss_mask=None):
@@ -415,7 +416,7 @@ def test_dynamic_tree_skips_only_expansions_that_cannot_make_the_selection(tiny_
 
     pruned, pruned_rows = trees(), sum(expanded)
     expanded.clear()
-    monkeypatch.setattr(eagle.CandidatePool, "cutoff", lambda self, total: float("-inf"))
+    monkeypatch.setattr(CandidatePool, "cutoff", lambda self, total: float("-inf"))
     full, full_rows = trees(), sum(expanded)
     assert pruned == full
     assert pruned_rows < 0.8 * full_rows

@@ -11,7 +11,7 @@ repeats), the DFlash block drafter (trained briefly on the toy target, then shar
 block drafter's options on it (hydra: the anchor feature and a strong head.prev_mlp), and the EAGLE-3
 chain and DSpark heads again drafting in bfloat16 on the float32 target (eval.draft_dtype), and the DFlash and
 DSpark heads drafting top-k trees over their blocks (eval.tree static; the DSpark tree's candidates depend on
-their parent's token). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
+their parent's token), and the DSpark head drafting EAGLE-2's dynamic tree over its block (eval.tree dynamic). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
 exact law by Pearson's chi-square (`drafters_common.chi_square`, cells with expected count < 5 pooled); the
 test fails when p < ALPHA = 0.01, so its false-alarm rate is <= 0.01.
 
@@ -51,6 +51,8 @@ lambda = stat - df, and the power P(noncentral chi-square(df, lambda) > critical
     dflash_tree   1.3  26  22.3 | 122.4  1.000                 | 122.4  1.000
     dspark_tree   0.7  23  28.4 | 148.7  1.000                 | 148.7  1.000
     dspark_tree   1.3  26  28.0 | 178.2  1.000                 | 178.2  1.000
+    dspark_dynamic 0.7 23  29.9 | 146.3  1.000                 | 146.3  1.000
+    dspark_dynamic 1.3 26  28.8 | 168.0  1.000                 | 168.0  1.000
 
 (With only deterministic drafts the two biased rules coincide.) A drafter reporting a q that is not the law
 it sampled from (softmax(l) for a draw from softmax(l / T)) and verify rows built without top-p are planted by
@@ -84,7 +86,7 @@ ALPHA = 0.01
 SHARP = 4.0
 PROMPT = [1, 5, 3, 9, 1, 5, 3, 9, 1]
 DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram", "dflash", "dspark", "hydra",
-            "eagle_chain_bf16", "dspark_bf16", "dflash_tree", "dspark_tree"]
+            "eagle_chain_bf16", "dspark_bf16", "dflash_tree", "dspark_tree", "dspark_dynamic"]
 BLOCK_TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0]]  # the block drafters' top-k trees (eval.tree static)
 TEMPERATURES = [0.7, 1.3]
 
@@ -167,6 +169,7 @@ def build_toy():
         "dspark_bf16": lambda i: dflash.drafter(dsp_bf16, io, generator=gen(10_000 + i)),
         "dflash_tree": lambda i: dflash.drafter(dfl, io, tree=BLOCK_TREE),
         "dspark_tree": lambda i: dflash.drafter(dsp, io, tree=BLOCK_TREE),
+        "dspark_dynamic": lambda i: dflash.drafter(dsp, io, tree="dynamic", top_k=2, total_tokens=4),
     }
     return model, io, makers
 
@@ -287,7 +290,7 @@ def _unzeroed_sibling(p, q, token):
 
 _RESIDUAL = decoder.residual_distribution
 BIASED = {"resample_from_p": _resample_from_p, "unzeroed_sibling": _unzeroed_sibling}
-DETERMINISTIC = {"eagle_tree", "medusa", "ngram", "dflash_tree", "dspark_tree"}  # drafts without i.i.d. q: the sibling rule applies
+DETERMINISTIC = {"eagle_tree", "medusa", "ngram", "dflash_tree", "dspark_tree", "dspark_dynamic"}  # drafts without i.i.d. q: the sibling rule applies
 
 
 def power_table() -> None:

@@ -1,8 +1,9 @@
 """The DFlash drafter (the decoder's adapter, heads.types.Drafter): one block pass proposes B - 1 tokens.
 
     d = drafter(head, target, generator=None)
-    d = drafter(head, target, tree=[[0], [1], [0, 0]])      # a top-k tree over the block's slots
-    make = drafter_factory(head, target, tree="auto", k=4)   # eval.tree: auto / chain / static
+    d = drafter(head, target, tree=[[0], [1], [0, 0]])      # a static top-k tree over the block's slots
+    d = drafter(head, target, tree="dynamic", top_k=3, total_tokens=3)   # EAGLE-2's tree over them
+    make = drafter_factory(head, target, tree="auto", k=4)   # eval.tree: auto / chain / static / dynamic
 
 State between calls: each layer's keys/values of the committed context (positions 0..n-1, from the target's
 features only) and the anchor, the newest token at position n that the target has not processed. `draft(k)` runs
@@ -17,10 +18,15 @@ needs.
 A tree (eval.tree static, or `tree` choices as Medusa's, heads.tree; cut to the drafting slots): the same one block
 pass, then per depth d the top-ranked candidates of slot d's logits given each parent's token (the anchor for
 depth 1): one logits call per depth for all of that depth's parents, since a sequential head's slot reads the
-token before it; a head that is not reads none, so every parent's candidates are the slot's own. Siblings are
-distinct deterministic candidates (DraftTree sampling "topk"): verification's sibling rule keeps it exact, at
-every temperature, and nothing is drawn. Every node's candidates depend only on the committed prefix and its
-path. Nothing drafted is ever kept: `commit` / `commit_tokens` append the target's features of the accepted
+token before it (a Markov head alone: one LM head product and a bias per parent); a head that is not reads
+none, so every parent's candidates are the slot's own, computed once. eval.tree dynamic (`tree="dynamic"`,
+top_k, total_tokens: eval.tree_topk, tree_tokens) shapes the tree by the head's confidence instead, as EAGLE-2
+does (heads.tree.grow_dynamic): per depth the top_k best nodes by cumulative draft log-prob each propose their
+top_k best children of the next slot's logits given their token, and the total_tokens best nodes of all depths
+are verified; `auto` may become one where the verify curve pays for it (eval.calibrate.choose_tree). Siblings
+are distinct deterministic candidates (DraftTree sampling "topk"): verification's sibling rule keeps either tree
+exact, at every temperature, and nothing is drawn. Every node's candidates depend only on the committed prefix
+and its path. Nothing drafted is ever kept: `commit` / `commit_tokens` append the target's features of the accepted
 positions to the context, whatever path (head or n-gram) was accepted.
 
 Several requests at once (the batched decoder's rows, eval.batch): `DFlashDrafter.draft_together(drafters, ks,
@@ -45,23 +51,31 @@ from torch import nn
 from heads.base import check_eval_tree
 from heads.cache import pad_requests
 from heads.dflash.model import DFlashHead
-from heads.tree import DEFAULT_CHOICES, StaticTree
+from heads.tree import DEFAULT_CHOICES, CandidatePool, StaticTree, dynamic_nodes, grow_dynamic
 from heads.types import DraftTree, Features, TargetIO
 
-TREES = ("chain", "static")  # the eval.tree values drafter_factory maps besides "auto" (a chain)
+TREES = ("chain", "static", "dynamic")  # the eval.tree values drafter_factory maps besides "auto" (a chain)
 
 
 class DFlashDrafter:
     """The decoder's adapter for a DFlash head (see the module docstring)."""
 
     def __init__(self, head: DFlashHead, target: TargetIO, generator: torch.Generator | None = None,
-                 tree: list[list[int]] | None = None):
+                 tree: list[list[int]] | str | None = None, top_k: int = 10, total_tokens: int = 60):
         self.head, self.target = head.eval(), target
         self.capture_layers: tuple[int, ...] | None = tuple(head.layer_ids)
         self.max_depth = head.block_size - head.first_slot  # the drafting slots: no draft is deeper
-        self.tree = None if tree is None else StaticTree(tree)  # None: chains
+        if isinstance(tree, str) and tree not in ("chain", "dynamic"):
+            raise ValueError(f"DFlash drafter: tree '{tree}' is not chain, dynamic or a list of choices")
+        if top_k < 1 or total_tokens < 1:
+            raise ValueError(f"DFlash drafter: top_k ({top_k}) and total_tokens ({total_tokens}) must be >= 1")
+        # None for chains and dynamic trees; the shape of a static one
+        self.tree = None if tree is None or isinstance(tree, str) else StaticTree(tree)
         if self.tree is not None and self.tree.depth > self.max_depth:
             raise ValueError(f"DFlash tree has depth {self.tree.depth} but the block has {self.max_depth} drafting slots")
+        # a dynamic tree's (children per expanded node: at most the draft vocab, nodes verified); None otherwise
+        self.sizes = (min(top_k, head.d2t.numel()), total_tokens) if tree == "dynamic" else None
+        self.chains = self.tree is None and self.sizes is None
         self.generator = generator
         self.device = next(head.parameters()).device
         self.ctx: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -145,6 +159,8 @@ class DFlashDrafter:
     def nodes(self, k: int) -> int:
         """How many nodes draft(k) returns (heads.types.Drafter; eval.policy prices a pass by it)."""
         m = min(k, self.max_depth)
+        if self.sizes is not None:
+            return dynamic_nodes(self.sizes[0], m, self.sizes[1])
         return max(m, 0) if self.tree is None or m <= 0 else len(self.tree.truncate(m))
 
     @torch.no_grad()
@@ -155,9 +171,39 @@ class DFlashDrafter:
             return ready[2]
         if m <= 0:
             return DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.device))
-        if self.tree is not None:
-            return self._grow(self.block_states()[:m], m, temperature)
-        return DFlashDrafter._chains([self], self.block_states()[None, :m], [m], temperature)[0]
+        if self.chains:
+            return DFlashDrafter._chains([self], self.block_states()[None, :m], [m], temperature)[0]
+        return self._tree_from(self.block_states()[:m], m, temperature)
+
+    def _tree_from(self, h: torch.Tensor, m: int, temperature: float) -> DraftTree:
+        """This drafter's tree (static or dynamic) of depth <= m over the drafting slots' states h [>= m, H]."""
+        return self._grow(h, m, temperature) if self.tree is not None else self._grow_dynamic(h, m, temperature)
+
+    def _slot_logits(self, h: torch.Tensor, depth: int, prevs: list[int]) -> torch.Tensor:
+        """Float32 draft-vocab logits [len(prevs), DV] of the drafting slot at tree depth `depth` (state h[depth - 1])
+        given each parent's token prevs (target ids; the anchor for depth 1). The LM head runs once where the slot
+        reads no previous token (a head that is not sequential, a plain slot) or only its Markov bias does."""
+        head, n = self.head, len(prevs)
+        slot, state = head.first_slot + depth - 1, h[depth - 1]
+        if not head.sequential or head.plain(slot):
+            return head.base_logits(state[None]).float().expand(n, -1)
+        prev = torch.tensor(prevs, device=self.device)
+        if head.prev_mlp is None:
+            return head.add_markov_bias(head.base_logits(state[None]).expand(n, -1), prev).float()
+        return head.slot_logits(state.expand(n, 1, -1), prev[:, None], self.target, [slot])[:, 0].float()
+
+    def _grow_dynamic(self, h: torch.Tensor, m: int, temperature: float) -> DraftTree:
+        """EAGLE-2's tree (self.sizes) of depth <= m over the drafting slots' states h [>= m, H]: a node's children
+        are the best of the next slot's logits given its token (see the module docstring)."""
+        assert self.sizes is not None and self.anchor is not None
+        head = self.head
+
+        def expand(pool: CandidatePool, grown: list[int]) -> torch.Tensor:  # nodes of one depth; their children's logits
+            ids = torch.tensor([pool.nodes[i].token for i in grown], device=self.device)
+            return self._slot_logits(h, pool.nodes[grown[0]].depth + 1, head.to_target_ids(ids).tolist())
+
+        return grow_dynamic(self._slot_logits(h, 1, [self.anchor])[0], expand, m, *self.sizes, temperature,
+                            head.to_target_ids, lambda q: head.to_target_probs(q, self.target.vocab_size))
 
     def _grow(self, h: torch.Tensor, m: int, temperature: float) -> DraftTree:
         """The tree (self.tree cut to depth m) over the drafting slots' states h [>= depth, H]: per depth, the
@@ -169,10 +215,7 @@ class DFlashDrafter:
         for d in range(shape.depth):
             level = [i for i, p in enumerate(paths) if len(p) == d + 1]
             owners = sorted({parents[i] for i in level})  # -1: the root (the anchor)
-            prev = torch.tensor([self.anchor if o < 0 else tokens[o] for o in owners], device=self.device)
-            slot = head.first_slot + d
-            logits = head.slot_logits(h[d].expand(len(owners), 1, -1), prev[:, None], self.target, [slot])[:, 0]
-            logits = logits.float()
+            logits = self._slot_logits(h, d + 1, [self.anchor if o < 0 else tokens[o] for o in owners])
             ranked = head.to_target_ids(logits.topk(shape.topk, dim=-1).indices)  # temperature keeps the ranking
             q = (None if temperature <= 0
                  else head.to_target_probs(torch.softmax(logits / temperature, dim=-1), self.target.vocab_size))
@@ -228,7 +271,7 @@ class DFlashDrafter:
         for d, k in zip(drafters, ks):
             m = min(k, d.max_depth)
             if m > 0 and d.anchor is not None:
-                by_head.setdefault((id(d.head), d.tree is None), []).append((d, m))
+                by_head.setdefault((id(d.head), d.chains), []).append((d, m))
         for rows in by_head.values():
             if len(rows) > 1:
                 DFlashDrafter._draft_rows([d for d, _ in rows], [m for _, m in rows], temperature)
@@ -247,8 +290,8 @@ class DFlashDrafter:
         pos = n[:, None] + torch.arange(bs, device=dev)
         h = head.block_states(emb, pos, ctx, seen[:, None, None, :].expand(-1, 1, bs, -1), first.target)
         states = h[:, head.first_slot : head.first_slot + max(ms)]
-        trees = ([d._grow(states[r], m, temperature) for r, (d, m) in enumerate(zip(drafters, ms))]
-                 if first.tree is not None else DFlashDrafter._chains(drafters, states, ms, temperature))
+        trees = (DFlashDrafter._chains(drafters, states, ms, temperature) if first.chains
+                 else [d._tree_from(states[r], m, temperature) for r, (d, m) in enumerate(zip(drafters, ms))])
         for d, m, tree in zip(drafters, ms, trees):
             d.ready = (m, temperature, tree)
 
@@ -276,6 +319,7 @@ class DFlashDrafter:
             for r, d in enumerate(rows):
                 d.held = []
                 d._append([(k[r], v[r]) for k, v in parts], c[:, int(ends[r])])
+
     def _draw(self, logits: torch.Tensor, temperature: float) -> DraftTree:
         """The chain of one draw per row of draft-vocab logits [m, DV] (argmax at temperature 0)."""
         if temperature <= 0:
@@ -292,11 +336,16 @@ def drafter(head: nn.Module, target: TargetIO, **kw: Any) -> DFlashDrafter:
     return DFlashDrafter(head, target, **kw)
 
 
-def drafter_factory(head: nn.Module, target: TargetIO, tree: str = "auto", k: int = 4) -> Callable[[], DFlashDrafter]:
-    """Fresh drafters for eval.tree: auto or chain (a block is a chain), static (heads.tree's default choices cut to
-    the drafting slots); `k` is unused (the length comes with each draft call, at most the drafting slots). Any
-    other tree raises HeadError naming the family."""
+def drafter_factory(head: nn.Module, target: TargetIO, tree: str = "auto", k: int = 4, topk: int = 10,
+                    tokens: int = 60) -> Callable[[], DFlashDrafter]:
+    """Fresh drafters for eval.tree: auto or chain (a block is a chain; the eval may first resolve auto to a
+    dynamic tree sized by the verify curve, eval.calibrate.choose_tree), static (heads.tree's default choices cut
+    to the drafting slots), dynamic (EAGLE-2's: `topk` children per expanded node, `tokens` nodes verified;
+    eval.tree_topk and eval.tree_tokens); `k` is unused (the length comes with each draft call, at most the
+    drafting slots). Any other tree raises HeadError naming the family."""
     check_eval_tree(tree, head.family, TREES)
+    if tree == "dynamic":
+        return lambda: drafter(head, target, tree="dynamic", top_k=topk, total_tokens=tokens)
     if tree != "static":
         return lambda: drafter(head, target)
     slots = head.block_size - head.first_slot

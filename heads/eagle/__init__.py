@@ -48,7 +48,7 @@ reaches all of them, and declares the two families, `FAMILIES`, for heads.regist
                 masked_attention, rotary, Eagle1Head, Eagle3Head, build
     vocab.py    the draft vocabulary (draft_vocab_from_counts, token_counts), prepare, final_norm_scale
     losses.py   loss (EAGLE-1 and EAGLE-3 TTT; the token term is heads/losses.py's token_loss), step_alignment
-    drafting.py EagleDrafter (chain / EAGLE-2 dynamic tree of Candidate nodes), drafter, drafter_factory, TREES
+    drafting.py EagleDrafter (chain / EAGLE-2 dynamic tree: heads.tree.grow_dynamic), drafter, drafter_factory, TREES
 
 Run the unit tests with `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_alignment.py`.
 """
@@ -63,7 +63,7 @@ from heads.eagle.config import (
     feature_layers,
     resolved_draft_vocab,
 )
-from heads.eagle.drafting import TREES, Candidate, CandidatePool, EagleDrafter, drafter, drafter_factory
+from heads.eagle.drafting import TREES, EagleDrafter, drafter, drafter_factory
 from heads.eagle.losses import loss, step_alignment, token_loss
 from heads.eagle.model import (
     MLP,
@@ -92,7 +92,7 @@ FAMILIES = (
 )
 
 __all__ = [
-    "DEFAULT_DRAFT_VOCAB", "FAMILIES", "MLP", "TREES", "Attention", "Candidate", "CandidatePool", "DecoderLayer",
+    "DEFAULT_DRAFT_VOCAB", "FAMILIES", "MLP", "TREES", "Attention", "DecoderLayer",
     "Eagle1Config", "Eagle1Head", "Eagle3Config", "Eagle3Head", "EagleDrafter", "RMSNorm", "TokenLossConfig", "build",
     "default_layer_ids", "draft_vocab_from_counts", "drafter", "drafter_factory", "feature_layers", "loss",
     "masked_attention", "prepare", "resolved_draft_vocab", "rotary", "shift_left", "step_alignment",

@@ -6,7 +6,7 @@
 
 The head's own KV cache (transformers' DynamicCache, see heads.cache) holds the committed rows; draft rows are
 appended while drafting and cropped away at the end of `draft`, and `commit` recomputes the accepted rows from
-the target's real features (the rollback). The EAGLE-2 tree grows as a pool of `Candidate` nodes.
+the target's real features (the rollback). The EAGLE-2 tree grows as heads.tree's pool of `Candidate` nodes.
 `EagleDrafter.draft_together(drafters, ks, temperature)` drafts the chains of several requests (the batched
 decoder's rows) in one head pass per depth: each request's committed keys padded to the longest and masked, its
 draft rows batched; each drafter's next `draft` returns its chain. A drafter with `hold` set keeps its commit
@@ -19,7 +19,6 @@ Tests: `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_sampling_dr
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,68 +28,11 @@ from transformers import DynamicCache
 from heads.base import check_eval_tree
 from heads.cache import crop_to, pad_requests
 from heads.eagle.model import masked_attention, rotary
-from heads.sampling import draft_distribution, draft_token
+from heads.sampling import draft_token
+from heads.tree import CandidatePool, dynamic_nodes, grow_dynamic
 from heads.types import DraftTree, Features, TargetIO
 
 TREES = ("chain", "dynamic")  # the eval.tree values drafter_factory maps besides "auto"
-
-
-@dataclass
-class Candidate:
-    """One node of an EAGLE-2 dynamic tree while it grows (see CandidatePool)."""
-
-    token: int  # the drafted token, a HEAD-vocab id
-    parent: int  # pool index of its parent node, -1 for a child of the root
-    score: float  # cumulative draft log-prob from the root
-    depth: int  # 1 for a child of the root
-    q: int  # index into CandidatePool.qs of the distribution it was drawn from (its parent's); -1 when greedy
-    sees: list[int] = field(default_factory=list)  # once expanded: the draft rows its row attends to (ancestors', own)
-    out: torch.Tensor | None = None  # once expanded: its row's PRE-norm output, which its children read
-
-
-class CandidatePool:
-    """The nodes of an EAGLE-2 tree in creation order, the distributions they were drawn from, and how many
-    draft rows (cache rows past the committed ones) the expanded nodes occupy."""
-
-    def __init__(self, top_k: int, temperature: float):
-        self.top_k, self.temperature = top_k, temperature
-        self.nodes: list[Candidate] = []
-        self.qs: list[torch.Tensor] = []
-        self.rows = 0
-
-    def add_children(self, logits: torch.Tensor, parent: int) -> list[int]:
-        """The `top_k` best children of `parent` (-1 = the root) under `logits`; returns their pool indices."""
-        base, depth = (0.0, 1) if parent < 0 else (self.nodes[parent].score, self.nodes[parent].depth + 1)
-        if self.temperature > 0:
-            self.qs.append(draft_distribution(logits, self.temperature))
-        top = logits.log_softmax(-1).topk(self.top_k)
-        start = len(self.nodes)
-        for val, idx in zip(top.values.tolist(), top.indices.tolist()):
-            self.nodes.append(Candidate(idx, parent, base + val, depth, len(self.qs) - 1))
-        return list(range(start, len(self.nodes)))
-
-    def best(self, frontier: list[int]) -> list[int]:
-        """The `top_k` nodes of `frontier` with the highest scores (stable: earlier nodes win ties)."""
-        return sorted(frontier, key=lambda i: -self.nodes[i].score)[: self.top_k]
-
-    def cutoff(self, total: int) -> float:
-        """The `total`-th best score so far (-inf while there are fewer nodes). It only rises as nodes are added,
-        and a node scoring below it can never be selected, nor can its descendants (a child never scores above
-        its parent): expanding it is wasted head work, and leaving it unexpanded changes no selection."""
-        if len(self.nodes) < total:
-            return float("-inf")
-        return sorted((c.score for c in self.nodes), reverse=True)[total - 1]
-
-    def select(self, total: int) -> tuple[list[int], list[int]]:
-        """The `total` best nodes in tree order (depth, then creation), and each one's parent among them.
-
-        A child never scores above its parent (log-probs <= 0) and ties go to the shallower node, so the
-        selection always includes every selected node's ancestors."""
-        nodes = self.nodes
-        chosen = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:total]
-        chosen.sort(key=lambda i: (nodes[i].depth, i))
-        new_index = {node: j for j, node in enumerate(chosen)}
-        return chosen, [-1 if nodes[i].parent < 0 else new_index[nodes[i].parent] for i in chosen]
 
 
 class EagleDrafter:
@@ -235,12 +177,9 @@ class EagleDrafter:
         depth; a dynamic tree's `total_tokens`, or fewer when its depth generates fewer candidates (top_k at
         the first depth, top_k^2 at each one after)."""
         depth = min(k, self.depth) if self.depth else k
-        if depth <= 0:
-            return 0
         if self.tree == "chain":
-            return depth
-        width = self._width()
-        return min(self.total_tokens, width + width * width * (depth - 1))
+            return max(depth, 0)
+        return dynamic_nodes(self._width(), depth, self.total_tokens)
 
     def _width(self) -> int:
         """Children per expanded node of a dynamic tree: top_k, or the head's whole vocabulary if smaller."""
@@ -383,24 +322,10 @@ class EagleDrafter:
             d.last_o, d.last_logits = last[i:i + 1], logits[i, 0]
 
     def _draft_dynamic(self, depth: int, temperature: float) -> DraftTree:
-        pool = CandidatePool(self._width(), temperature)
-        frontier = pool.add_children(self.last_logits, -1)
-        for _ in range(2, depth + 1):  # the children of depth 2 .. depth
-            floor = pool.cutoff(self.total_tokens)
-            expand = [i for i in pool.best(frontier) if pool.nodes[i].score >= floor]
-            if not expand:  # no deeper node can make the selection
-                break
-            logits = self._expand(pool, expand)
-            frontier = [c for r, i in enumerate(expand) for c in pool.add_children(logits[r], i)]
-        chosen, parents = pool.select(self.total_tokens)
-        tokens = self.head.to_target_ids(torch.tensor([pool.nodes[i].token for i in chosen], device=self.device))
-        self.tree_tokens = tokens.tolist()
-        probs = None
-        if temperature > 0:
-            qs = torch.stack([pool.qs[pool.nodes[i].q] for i in chosen])
-            probs = self.head.to_target_probs(qs, self.target.vocab_size)
-        return DraftTree(tokens=tokens, parents=torch.tensor(parents, dtype=torch.long, device=self.device),
-                         probs=probs, sampling="topk")
+        tree = grow_dynamic(self.last_logits, self._expand, depth, self._width(), self.total_tokens, temperature,
+                            self.head.to_target_ids, lambda q: self.head.to_target_probs(q, self.target.vocab_size))
+        self.tree_tokens = tree.tokens.tolist()
+        return tree
 
     def _expand(self, pool: CandidatePool, expand: list[int]) -> torch.Tensor:
         """Run the draft rows of the nodes `expand` (the best of one depth) in one pass; returns their logits
@@ -408,17 +333,17 @@ class EagleDrafter:
         nodes = [pool.nodes[i] for i in expand]
         m = len(nodes)
         toks = self.head.to_target_ids(torch.tensor([c.token for c in nodes], device=self.device))
-        hidden = torch.cat([self.last_o if c.parent < 0 else pool.nodes[c.parent].out for c in nodes], dim=1)
+        # each expanded node's state: (the draft rows its row sees, its own included; its PRE-norm output)
+        hidden = torch.cat([self.last_o if c.parent < 0 else pool.nodes[c.parent].state[1] for c in nodes], dim=1)
         pos = torch.tensor([self.n - 1 + c.depth for c in nodes])  # depth-d rows at n-1+d, as in a chain
         anc = torch.zeros(m, pool.rows, dtype=torch.bool)  # which earlier draft rows each new row sees
         for r, c in enumerate(nodes):
             if c.parent >= 0:
-                anc[r, pool.nodes[c.parent].sees] = True
+                anc[r, pool.nodes[c.parent].state[0]] = True
         mask = torch.cat([torch.ones(m, self.n, dtype=torch.bool), anc, torch.eye(m, dtype=torch.bool)], dim=1)
         o = self._rows(toks, hidden, pos, mask)
         for r, c in enumerate(nodes):
-            c.out = o[:, r : r + 1]
-            c.sees = anc[r].nonzero().reshape(-1).tolist() + [pool.rows + r]
+            c.state = (anc[r].nonzero().reshape(-1).tolist() + [pool.rows + r], o[:, r : r + 1])
         pool.rows += m
         return self._logits(o)[0]
 
