@@ -313,10 +313,11 @@ class EvalConfig:
     temperature: list[NonNegative] = field(default_factory=lambda: [0.0])
     num_draft_tokens: Count | None = None  # chain length k; null = choose from measured costs
     # auto: the family's default (EAGLE and DFlash: chains, Medusa: its configured tree), except that with k chosen
-    # from the measured costs (num_draft_tokens null) an EAGLE head drafts a dynamic tree of as many nodes as the
-    # verify curve takes for about the price of none or as the chain's best k, whichever is more, topk and tokens
-    # capped by the two keys below, when its calibration predicts more than the chain's (eval.calibrate.choose_tree;
-    # the report's costs.tree says what and why). static: Medusa's tree, or DFlash's top-k tree over its block's slots
+    # from the measured costs (num_draft_tokens null) an EAGLE or DFlash head drafts a dynamic tree of as many nodes
+    # as the verify curve takes for about the price of none or as the chain's best k, whichever is more, topk and
+    # tokens capped by the two keys below, when its calibration predicts more than the chain's
+    # (eval.calibrate.choose_tree; the report's costs.tree says what and why). static: Medusa's tree, or DFlash's
+    # top-k tree over its block's slots. dynamic: EAGLE-2's tree over EAGLE's steps or DFlash's slots
     tree: Literal["auto", "chain", "static", "dynamic"] = "auto"
     # EAGLE-2's dynamic tree (tree: dynamic; SGLang's speculative_eagle_topk and speculative_num_draft_tokens):
     # each expanded node's children, and the nodes verified. The defaults are EAGLE-2's, sized for a GPU, where

@@ -26,6 +26,7 @@ from eval.report import PLOTS, markdown
 from eval.speedup import extend_rates
 from heads import registry
 from heads.base import HeadError, HeadMismatchError, save_head
+from heads.dflash import DFlashConfig
 from heads.eagle import Eagle3Config
 
 
@@ -511,14 +512,21 @@ def test_eval_tree_auto_drafts_the_tree_its_calibration_prices_above_the_chain(m
         assert record["used"] == (want if tried else "chain") and (got is subject) == (record["used"] == "chain")
 
 
-def test_eval_tree_auto_reaches_the_turns_the_sweep_and_the_report(tmp_path, tiny_target, monkeypatch):
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_eval_tree_auto_reaches_the_turns_the_sweep_and_the_report(tmp_path, tiny_target, monkeypatch, family):
     """The tree eval.tree auto chose is what every head-drafting method drafts: the turns (the report's
     speedup_model sees trees of up to eval.tree_tokens nodes), the batch sweep, report.json's tree and
     costs.tree, the plan line; greedy outputs stay identical. An untrained head accepts nothing, so the
     decision is forced here (a flat verify curve, a tree priced to win; policy fixed, or no pass would draft);
     choose_tree's own test above covers it. --engine vllm compares chains, so there auto never becomes a tree
-    (no sized factories)."""
-    folder = _head(tmp_path, tiny_target, "head")
+    (no sized factories). For an EAGLE-3 head and a block drafter (its dynamic tree over the block's slots)."""
+    if family == "eagle3":
+        folder = _head(tmp_path, tiny_target, "head")
+    else:
+        io = tiny_target[2]
+        cfg_head = DFlashConfig(draft_vocab_size=io.vocab_size, block_size=4)
+        torch.manual_seed(0)
+        folder = save_head(tmp_path / "head", registry.get("dflash").build(cfg_head, io), cfg_head, io)
     flat = _curve({n: 1.0 for n in calibrate_mod.VERIFY_SIZES})
     monkeypatch.setattr(calibrate_mod, "measure_verify_cost", lambda *a, **kw: flat)
     monkeypatch.setattr(calibrate_mod, "ideal_speedup", lambda *a: 5.0)

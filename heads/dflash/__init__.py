@@ -41,8 +41,8 @@ The package, one job per module (this file re-exports their public names and dec
     model.py    DFlashAttention, DFlashLayer, MarkovHead, PrevTokenMLP, DFlashHead, block_attention, build,
                 prepare (draft vocab, LM head rows)
     losses.py   loss, block_loss, block_logits, block_alignment, context_mask, sample_anchors
-    drafting.py DFlashDrafter, drafter, drafter_factory, TREES (eval.tree: chain, or static: a top-k tree over
-                the block's slots)
+    drafting.py DFlashDrafter, drafter, drafter_factory, TREES (eval.tree: chain; static, a top-k tree over
+                the block's slots; dynamic, EAGLE-2's tree over them)
 
 Run the unit tests with `.venv/bin/python -m pytest -q tests/test_dflash.py`.
 """
