@@ -463,6 +463,10 @@ def test_the_static_tree_is_the_default_shape_cut_to_the_drafting_slots(tiny_tar
         dflash.drafter_factory(head, io, tree="medusa")
     with pytest.raises(ValueError, match="3 drafting slots"):
         dflash.drafter(head, io, tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
+    with pytest.raises(ValueError, match="'wide' is not chain, dynamic or a list of choices"):
+        dflash.drafter(head, io, tree="wide")
+    with pytest.raises(ValueError, match="must be >= 1"):
+        dflash.drafter(head, io, tree="dynamic", top_k=0)
 
 
 @pytest.mark.parametrize("variant", ["dflash", "anchor"])
