@@ -332,6 +332,26 @@ def test_drafting_together_equals_each_requests_own_draft(tiny_target, variant, 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [1, 0, 0]]
 
 
+def _tree_case(tiny_target, variant: str):
+    """The trees' tests' head (seed 4, a Markov bias made about as large as the base logits: sd 0.03 logits
+    against their 3) and begun(n, **drafter_kw): a drafter of it begun on the first n of 16 random tokens."""
+    model, _, io = tiny_target
+    _, head = _head(io, seed=4, **VARIANTS[variant])
+    if head.markov_head is not None:
+        with torch.no_grad():
+            head.markov_head.markov_w2.weight.mul_(100.0)
+    torch.manual_seed(1)
+    ids = torch.randint(0, io.vocab_size, (1, 16))
+    feats, _ = forward_features(model, ids, None, LAYERS)
+
+    def begun(n: int, **kw):
+        d = dflash.drafter(head, io, **kw)
+        d.begin(ids[:, :n], feats.slice(0, n), int(ids[0, n]))
+        return d
+
+    return io, head, begun
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("variant", ["dflash", "dspark", "shipped"])
 def test_a_tree_ranks_each_parents_slot_logits(tiny_target, variant, temperature):
@@ -341,19 +361,10 @@ def test_a_tree_ranks_each_parents_slot_logits(tiny_target, variant, temperature
     head's do not (it reads no previous token). Truncating to k keeps the paths of depth <= k; drafting together
     gives each request its own tree. Planted: every depth's parent taken as the anchor, or slot d's logits read
     at slot d + 1, fail it."""
-    model, _, io = tiny_target
-    _, head = _head(io, seed=4, **VARIANTS[variant])
-    if head.markov_head is not None:  # its bias (sd 0.03 logits against the base logits' 3) made about as large
-        with torch.no_grad():
-            head.markov_head.markov_w2.weight.mul_(100.0)
-    torch.manual_seed(1)
-    ids = torch.randint(0, io.vocab_size, (1, 16))
-    feats, _ = forward_features(model, ids, None, LAYERS)
+    io, head, begin = _tree_case(tiny_target, variant)
 
     def begun(n: int):
-        d = dflash.drafter(head, io, tree=TREE)
-        d.begin(ids[:, :n], feats.slice(0, n), int(ids[0, n]))
-        return d
+        return begin(n, tree=TREE)
 
     d = begun(12)
     tree = d.draft(3, temperature)
@@ -395,20 +406,11 @@ def test_a_dynamic_tree_is_eagle2s_over_the_slots(tiny_target, variant, temperat
     counts what draft(k) returns; drafting together gives each request its own tree. Planted: every depth's
     parent taken as the anchor, or the children's logits read at their parent's slot, fail it (a head that is
     not sequential reads no parent, so only the second fails it there)."""
-    model, _, io = tiny_target
-    _, head = _head(io, seed=4, **VARIANTS[variant])
-    if head.markov_head is not None:  # its bias made about as large as the base logits (as in the static test)
-        with torch.no_grad():
-            head.markov_head.markov_w2.weight.mul_(100.0)
-    torch.manual_seed(1)
-    ids = torch.randint(0, io.vocab_size, (1, 16))
-    feats, _ = forward_features(model, ids, None, LAYERS)
+    io, head, begin = _tree_case(tiny_target, variant)
     top_k, total = 2, 6
 
     def begun(n: int):
-        d = dflash.drafter(head, io, tree="dynamic", top_k=top_k, total_tokens=total)
-        d.begin(ids[:, :n], feats.slice(0, n), int(ids[0, n]))
-        return d
+        return begin(n, tree="dynamic", top_k=top_k, total_tokens=total)
 
     d = begun(12)
     tree = d.draft(3, temperature)

@@ -30,12 +30,14 @@ from heads.dflash import DFlashConfig
 from heads.eagle import Eagle3Config
 
 
-def _head(tmp_path, target, name):
-    """An untrained EAGLE-3 head folder for `target` (model, tok, io): acceptance is ~0, plumbing is real."""
+def _head(tmp_path, target, name, family="eagle3"):
+    """An untrained head folder for `target` (model, tok, io): acceptance is ~0, plumbing is real. EAGLE-3's by
+    default; "dflash" a block drafter of 3 drafting slots."""
     _, _, io = target
-    cfg = Eagle3Config(draft_vocab_size=io.vocab_size, ttt_length=2)
+    cfg = (Eagle3Config(draft_vocab_size=io.vocab_size, ttt_length=2) if family == "eagle3"
+           else DFlashConfig(draft_vocab_size=io.vocab_size, block_size=4))
     torch.manual_seed(0)
-    return save_head(tmp_path / name, registry.get("eagle3").build(cfg, io), cfg, io)
+    return save_head(tmp_path / name, registry.get(family).build(cfg, io), cfg, io)
 
 
 def _cfg(**kw):
@@ -520,13 +522,7 @@ def test_eval_tree_auto_reaches_the_turns_the_sweep_and_the_report(tmp_path, tin
     decision is forced here (a flat verify curve, a tree priced to win; policy fixed, or no pass would draft);
     choose_tree's own test above covers it. --engine vllm compares chains, so there auto never becomes a tree
     (no sized factories). For an EAGLE-3 head and a block drafter (its dynamic tree over the block's slots)."""
-    if family == "eagle3":
-        folder = _head(tmp_path, tiny_target, "head")
-    else:
-        io = tiny_target[2]
-        cfg_head = DFlashConfig(draft_vocab_size=io.vocab_size, block_size=4)
-        torch.manual_seed(0)
-        folder = save_head(tmp_path / "head", registry.get("dflash").build(cfg_head, io), cfg_head, io)
+    folder = _head(tmp_path, tiny_target, "head", family)
     flat = _curve({n: 1.0 for n in calibrate_mod.VERIFY_SIZES})
     monkeypatch.setattr(calibrate_mod, "measure_verify_cost", lambda *a, **kw: flat)
     monkeypatch.setattr(calibrate_mod, "ideal_speedup", lambda *a: 5.0)
