@@ -75,7 +75,6 @@ class DFlashDrafter:
             raise ValueError(f"DFlash tree has depth {self.tree.depth} but the block has {self.max_depth} drafting slots")
         # a dynamic tree's (children per expanded node: at most the draft vocab, nodes verified); None otherwise
         self.sizes = (min(top_k, head.d2t.numel()), total_tokens) if tree == "dynamic" else None
-        self.chains = self.tree is None and self.sizes is None
         self.generator = generator
         self.device = next(head.parameters()).device
         self.ctx: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -87,6 +86,11 @@ class DFlashDrafter:
         # the held positions of several requests in one pass (the batched decoder sets it: eval.batch)
         self.hold = False
         self.held: list[torch.Tensor] = []
+
+    @property
+    def chains(self) -> bool:
+        """Whether this drafter drafts chains (neither a static nor a dynamic tree)."""
+        return self.tree is None and self.sizes is None
 
     @staticmethod
     def _aux(features: Features | None, m: int) -> torch.Tensor:
