@@ -165,6 +165,9 @@ def serving(repo_id: str, target_hub: str, k: int, layouts: tuple[str, ...]) -> 
     """The model card's serving commands: vLLM from the upload's root (speculators), SGLang from its `sglang/`
     folder when the upload holds one (`layouts`: not for a head with norm_before_residual)."""
     name = repo_id.split("/")[-1]
+    if "speculators" not in layouts:  # the root is the native folder (head.pointer: no engine layout holds it)
+        return ("No serving engine runs this head (head.pointer: a pointer no engine layout has); evaluate it "
+                "with this project (`python -m eval.run --head` on the downloaded folder).")
     vllm = f"""vLLM (the repository root is the speculators layout; layer ids in vLLM's convention):
 
 ```bash
@@ -185,8 +188,18 @@ python -m sglang.launch_server --model-path {target_hub} --speculative-algorithm
 ```"""
 
 
+def refuses_speculators(head_config: dict) -> str:
+    """Why a head cannot go to the speculators layout ("" when it can)."""
+    if head_config.get("pointer"):  # no engine has it: the served head would draft from its vocab alone
+        return ("head.pointer is true: no engine layout has the pointer over the request's positions; evaluate it "
+                "here, or train without it to serve it")
+    return ""
+
+
 def refuses_sglang(head_config: dict) -> str:
     """Why a head cannot go to SGLang's layout ("" when it can)."""
+    if refuses_speculators(head_config):
+        return refuses_speculators(head_config)
     if head_config.get("norm_before_residual"):  # no key for it: the engine would compute the default forward
         return "head.norm_before_residual is true: the sglang layout has no such key; export speculators"
     return ""
@@ -194,7 +207,7 @@ def refuses_sglang(head_config: dict) -> str:
 
 EXPORTS = FamilyExports(
     family="eagle3",
-    layouts=(Layout("speculators", export_speculators, import_speculators),
+    layouts=(Layout("speculators", export_speculators, import_speculators, refuses_speculators),
              Layout("sglang", export_sglang, import_sglang, refuses_sglang)),
     vllm=VllmServing(format="speculators", method="eagle3"),
     serving=serving,

@@ -51,9 +51,19 @@ MUTANTS: list[Mutant] = [
            ("tests/test_export.py", "-k", "layer_id_conventions")),
     # --- the rows of issue 14's table
     Mutant("ttt_labels_at_t_plus_s", "heads/eagle/losses.py",
-           "p_s, in_s, arg_s = shift_left(p, 1 + s), shift_left(in_vocab, 1 + s), shift_left(t_arg, 1 + s)",
-           "p_s, in_s, arg_s = shift_left(p, s), shift_left(in_vocab, s), shift_left(t_arg, s)",
+           "p_s, in_s, arg_s = shift_left(label, 1 + s), shift_left(in_vocab, 1 + s), shift_left(t_arg, 1 + s)",
+           "p_s, in_s, arg_s = shift_left(label, s), shift_left(in_vocab, s), shift_left(t_arg, s)",
            ("tests/test_alignment.py",), quick=True),
+    # head.pointer: the copy tokens at index t reach one position further, so step 0's own label is always copyable
+    Mutant("pointer_set_one_position_late", "heads/eagle/losses.py",
+           "return first[:, None, :] <= torch.arange(t, device=first.device)[None, :, None]",
+           "return first[:, None, :] <= torch.arange(1, t + 1, device=first.device)[None, :, None]",
+           ("tests/test_alignment.py", "-k", "pointer")),
+    # the pointer sees its own position's successor: the causal mask one position wide
+    Mutant("pointer_sees_the_next_position", "heads/eagle/losses.py",
+           "causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()[None]",
+           "causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril(1)[None]",
+           ("tests/test_alignment.py", "-k", "pointer")),
     Mutant("ttt_labels_from_the_first_vocab_rows", "heads/eagle/losses.py",
            "return F.linear(last.to(w.dtype), w[draft_ids], None if bias is None else bias[draft_ids]).float()",
            "return F.linear(last.to(w.dtype), w[: draft_ids.numel()]).float()",
@@ -105,9 +115,8 @@ MUTANTS: list[Mutant] = [
            "        twin.cache = self.cache",
            ("tests/test_batch.py", "-k", "shared_prefill")),
     Mutant("eagle_chain_reports_untempered_q", "heads/eagle/drafting.py",
-           "        return tok, None if q is None else self.head.to_target_probs(q, self.target.vocab_size)",
-           "        return tok, None if q is None else self.head.to_target_probs(torch.softmax(logits, dim=-1), "
-           "self.target.vocab_size)",
+           "        return tok, None if q is None else self._to_probs(q)",
+           "        return tok, None if q is None else self._to_probs(torch.softmax(logits, dim=-1))",
            ("tests/test_sampling_drafters.py", "-k", "reported_q and eagle_chain"), quick=True),
     Mutant("draft_model_reports_untempered_q", "eval/drafters.py",
            "                probs.append(q)",

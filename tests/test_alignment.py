@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from data.features import forward_features, greedy_ids
 from heads import eagle, medusa, mtp
+from heads.eagle import losses as eagle_losses
 
 T = 14  # sequence length of the oracle batches
 STEPS = 3
@@ -130,6 +131,72 @@ def test_eagle3_chain_is_each_start_positions_run_of_hits_through_the_ttt_steps(
         assert metrics[f"chain/{s}"] == pytest.approx(float(run.sum()) / starts), s
     assert metrics[f"chain/{STEPS - 1}"] >= 3 / starts  # the planted full chains count
     assert metrics["chain/0"] == pytest.approx(metrics["top1/0"]) and metrics["n/chain"] == metrics["n/0"]
+
+
+def test_eagle3_pointer_drafts_the_requests_own_tokens_alike_in_training_and_drafting(tiny_target, monkeypatch):
+    """head.pointer: at index t = n - 1 every TTT step scores the draft vocab plus the request's tokens outside it
+    that the pointer reaches, x_1 .. x_n (each the token after a committed position: never x_{n+1} onwards, not
+    even the step's own drafts), each with the log-probability the drafter gives it at depth s; and each step's
+    loss is the one recomputed from the target's own logits at t+1+s over that set. A pointer that sees one
+    position too many copies step 0's own label."""
+    model, _, io = tiny_target
+    torch.manual_seed(0)
+    head = eagle.build(eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=128, ttt_length=STEPS, pointer=True),
+                       io).eval()
+    _spread(head, 0.15, seed=1)
+    with torch.no_grad():
+        head.ptr_gate.bias.fill_(2.0)  # the pointer outweighs the draft vocab, so copy tokens are drafted
+    draft_ids = head.draft_ids().tolist()
+    vocab = set(draft_ids)
+    recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (logits, p, mask) per step
+    real_loss = eagle_losses.token_loss
+    monkeypatch.setattr(eagle_losses, "token_loss",
+                        lambda logits, p, mask, *a: recorded.append((logits[0], p[0], mask[0])) or real_loss(logits, p, mask, *a))
+
+    def training(seq: torch.Tensor) -> tuple[list[dict[int, float]], dict]:
+        """Per step, {target id: logit} at every index over the ids training scores there; the loss metrics."""
+        feats, _ = forward_features(model, seq, None, head.layer_ids)
+        batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": torch.ones_like(seq),
+                 "last": feats.last, "aux": feats.aux, "target_argmax": greedy_ids(model, feats.last).long()}
+        recorded.clear()
+        with torch.no_grad():
+            _, metrics = eagle.loss(head, batch, io)
+        ext = draft_ids + sorted({x for x in seq[0, 1:].tolist() if x not in vocab})  # training's order of the logits
+        return [[{ext[j]: float(v) for j, v in enumerate(row) if v > -1e8} for row in logits]
+                for logits, _, _ in recorded], metrics
+
+    ids = torch.randint(3, 250, (1, T), generator=torch.Generator().manual_seed(2))
+    copied = 0
+    for n in range(3, T - STEPS):
+        d = eagle.drafter(head, io)
+        d.begin(ids[:, :n], forward_features(model, ids[:, :n], None, head.layer_ids)[0], int(ids[0, n]))
+        drafted: list[torch.Tensor] = []
+        real_logits = d._logits
+        d._logits = lambda o, rec=drafted, real=real_logits: rec.append(real(o)) or rec[-1]
+        tree = d.draft(STEPS, 0.0)
+        held = [x for x in dict.fromkeys(ids[0, 1 : n + 1].tolist()) if x not in vocab]
+        assert d.copy_ids == held
+        copied += sum(x in held for x in tree.tokens.tolist())
+        steps, _ = training(torch.cat([ids[0, : n + 1], tree.tokens])[None])
+        for s, row in enumerate([d.last_logits, *(x[0, -1] for x in drafted)]):
+            want = dict(zip(draft_ids + d.copy_ids, row.tolist()))
+            got = steps[s][n - 1]
+            assert got.keys() == want.keys(), (s, n)
+            assert max(abs(got[x] - want[x]) for x in want) < 1e-4, (s, n)
+    assert copied > 0  # the drafter proposed copy tokens, so their mapping back to target ids was exercised
+
+    steps, metrics = training(ids)
+    with torch.no_grad():
+        target_logits = model(input_ids=ids).logits[0].float()
+    for s in range(STEPS):
+        loss = 0.0
+        for t in range(T - 2 - s):  # index t predicts x_{t+2+s} over draft vocab + the copy tokens of x_0 .. x_{t+1}
+            held = draft_ids + sorted({x for x in ids[0, 1 : t + 2].tolist() if x not in vocab})
+            assert sorted(steps[s][t]) == sorted(held), (s, t)
+            p = target_logits[t + 1 + s, held].softmax(-1)
+            log_q = torch.tensor([steps[s][t][x] for x in held]).log_softmax(-1)
+            loss = loss + float(int(target_logits[t + 1 + s].argmax()) in held) * -(p * log_q).sum()
+        assert abs(float(loss) / T - metrics[f"loss/{s}"]) < 1e-4 * max(1.0, metrics[f"loss/{s}"]), s
 
 
 # ----------------------------------------------------------------------------------------------- MTP

@@ -234,9 +234,14 @@ def test_commit_rolls_back_to_the_accepted_path(tiny_target):
 
 
 def _family_head(io, family: str):
-    """A fresh EAGLE-3 (the module's usual one) or EAGLE-1 head, in eval mode."""
+    """A fresh EAGLE-3 (the module's usual one), EAGLE-3 with head.pointer (half the vocab in its draft vocab, the
+    request's tokens in the other half reached by the pointer) or EAGLE-1 head, in eval mode."""
     if family == "eagle3":
         _, head = _eagle3(io)
+    elif family == "eagle3_pointer":
+        torch.manual_seed(0)
+        head = eagle.build(eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=io.vocab_size // 2, ttt_length=3,
+                                              pointer=True), io)
     else:
         torch.manual_seed(0)
         head = eagle.build(eagle.Eagle1Config(), io)
@@ -252,7 +257,7 @@ def _perturbed(head):
     return other
 
 
-@pytest.mark.parametrize("family", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("family", ["eagle3", "eagle1", "eagle3_pointer"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_drafting_together_equals_each_requests_own_draft(tiny_target, family, temperature):
     """EagleDrafter.draft_together (the batched decoder's rows, one head pass per depth): requests with
@@ -296,7 +301,7 @@ def test_drafting_together_equals_each_requests_own_draft(tiny_target, family, t
     assert len(together[0].draft(1, temperature)) == 1 and together[0].ready is None
 
 
-@pytest.mark.parametrize("family", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("family", ["eagle3", "eagle1", "eagle3_pointer"])
 def test_settling_together_equals_each_requests_own_commit(tiny_target, family):
     """EagleDrafter.settle_together (the batched decoder's held commits, one head pass per head): requests with
     committed rows of different lengths and paths of different lengths end in the state their own commits
@@ -461,10 +466,10 @@ def test_greedy_speculative_output_equals_plain_decoding(tiny_target, tree):
     from eval.decoder import speculative_generate
 
     model, _, io = tiny_target
-    for family in ("eagle1", "eagle3"):
+    for family in ("eagle1", "eagle3", "eagle3_pointer"):
         torch.manual_seed(1)
         cfg = eagle.Eagle1Config() if family == "eagle1" else eagle.Eagle3Config(
-            layer_ids=[1, 2, 3], draft_vocab_size=200, ttt_length=2)
+            layer_ids=[1, 2, 3], draft_vocab_size=200, ttt_length=2, pointer=family == "eagle3_pointer")
         head = eagle.build(cfg, io)
         prompt = torch.randint(0, io.vocab_size, (1, 10))
         ref, eos = hf_greedy(model, prompt, 20)

@@ -220,6 +220,23 @@ def test_norm_before_residual_round_trips_through_speculators_and_sglang_refuses
     assert "sglang.launch_server" in serving_note("eagle3", "me/head", "org/target", 3, {"norm_before_residual": False})
 
 
+def test_a_pointer_head_is_refused_by_every_engine_layout(tiny_target, tmp_path):
+    """head.pointer drafts the request's own tokens by pointing at its positions; no engine layout has that, so both refuse
+    it with the key named, nothing is written, and publishing stages the native folder with no serving command."""
+    _, _, io = tiny_target
+    _, cfg = _build("eagle3", io)
+    cfg.pointer = True
+    native = save_head(tmp_path / "head", eagle.build(cfg, io), cfg, io)
+    for fmt in ("speculators", "sglang"):
+        with pytest.raises(ExportError, match="head.pointer is true: no engine layout has the pointer"):
+            export_head(native, fmt, tmp_path / fmt, io)
+        assert not (tmp_path / fmt).exists()
+    config = dataclasses.asdict(cfg)
+    assert layouts_of("eagle3", config) == ()
+    card = serving_note("eagle3", "me/head", "org/target", 3, config)
+    assert "No serving engine runs this head" in card and "vllm serve" not in card
+
+
 def test_native_export_reloads(heads_dir, tiny_target, tmp_path):
     _, _, io = tiny_target
     out = export_head(heads_dir["eagle3"][0], "native", tmp_path / "n", io)

@@ -9,7 +9,8 @@ gives a test power): EAGLE-3 chain and dynamic tree, Medusa (static top-k tree),
 repeats), the DFlash block drafter (trained briefly on the toy target, then sharpened), its DSpark variant
 (every slot drafts, a strong Markov bias: later slots' q depend on the token drawn before) and the quickstart's
 block drafter's options on it (hydra: the anchor feature and a strong head.prev_mlp), and the EAGLE-3
-chain and DSpark heads again drafting in bfloat16 on the float32 target (eval.draft_dtype), and the DFlash and
+chain and DSpark heads again drafting in bfloat16 on the float32 target (eval.draft_dtype), an EAGLE-3 head with
+a pointer over the request's positions (head.pointer: q over its draft vocab and the request's other tokens), and the DFlash and
 DSpark heads drafting top-k trees over their blocks (eval.tree static; the DSpark tree's candidates depend on
 their parent's token), and the DSpark head drafting EAGLE-2's dynamic tree over its block (eval.tree dynamic). Each (drafter, temperature) draws N sequences with fixed seeds and compares their counts with the
 exact law by Pearson's chi-square (`drafters_common.chi_square`, cells with expected count < 5 pooled); the
@@ -27,6 +28,8 @@ lambda = stat - df, and the power P(noncentral chi-square(df, lambda) > critical
     eagle_chain   1.3  26  19.6 | 164.3  1.000                 | n/a
     eagle_tree    0.7  23  39.1 | 146.7  1.000                 | 146.7  1.000
     eagle_tree    1.3  26  32.5 | 147.6  1.000                 | 147.6  1.000
+    eagle_pointer 0.7  23  20.9 |  87.8  0.999                 | n/a
+    eagle_pointer 1.3  26   8.7 |  65.8  0.929                 | n/a
     medusa        0.7  23  26.7 | 119.5  1.000                 | 119.5  1.000
     medusa        1.3  26  23.2 | 115.1  1.000                 | 115.1  1.000
     mtp           0.7  23  25.9 | 180.2  1.000                 | n/a
@@ -85,7 +88,7 @@ ALPHA = 0.01
 # passes both accept and reject often, and a wrong rejection rule shows (see the power table).
 SHARP = 4.0
 PROMPT = [1, 5, 3, 9, 1, 5, 3, 9, 1]
-DRAFTERS = ["eagle_chain", "eagle_tree", "medusa", "mtp", "draft_model", "self_spec", "ngram", "dflash", "dspark", "hydra",
+DRAFTERS = ["eagle_chain", "eagle_tree", "eagle_pointer", "medusa", "mtp", "draft_model", "self_spec", "ngram", "dflash", "dspark", "hydra",
             "eagle_chain_bf16", "dspark_bf16", "dflash_tree", "dspark_tree", "dspark_dynamic"]
 BLOCK_TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0]]  # the block drafters' top-k trees (eval.tree static)
 TEMPERATURES = [0.7, 1.3]
@@ -123,6 +126,14 @@ def build_toy():
         e3.midlayer.self_attn.o_proj.weight.mul_(5.0)
         e3.norm.weight.copy_(model.model.norm.weight)
         e3.lm_head.weight.copy_(SHARP * model.lm_head.weight)
+        # The same with head.pointer: ids 0-7 in its draft vocab, the request's tokens among 8-11 reached by the
+        # pointer (the prompt holds 9; a sampled 8, 10 or 11 joins it), so q spans both sets and moves along the answer.
+        e3p = eagle.build(eagle.Eagle3Config(layer_ids=[1, 2, 3], draft_vocab_size=8, ttt_length=2, pointer=True),
+                          io).eval()
+        e3p.load_state_dict({k: v for k, v in e3.state_dict().items() if not k.startswith(("lm_head", "d2t", "t2d"))},
+                            strict=False)
+        e3p.lm_head.weight.copy_(SHARP * model.lm_head.weight[:8])
+        e3p.ptr_gate.bias.zero_()  # half the mass on the pointer (g = 0.5 where ptr_gate's weights give 0)
         # Medusa at init (identity blocks, the target's lm_head) with noise: q ~ p at the previous position.
         med = medusa.build(medusa.MedusaConfig(num_heads=2, tree=[[0], [1], [2], [0, 0], [1, 0]]), io).eval()
         _noisy(med, 0.05, 2)
@@ -157,6 +168,7 @@ def build_toy():
     makers = {
         "eagle_chain": lambda i: eagle.drafter(e3, io, generator=gen(10_000 + i)),
         "eagle_tree": lambda i: eagle.drafter(e3, io, tree="dynamic", top_k=3, total_tokens=6),
+        "eagle_pointer": lambda i: eagle.drafter(e3p, io, generator=gen(10_000 + i)),
         "medusa": lambda i: medusa.drafter(med, io),
         "mtp": lambda i: mtp.drafter(mt, io, generator=gen(10_000 + i)),
         "draft_model": lambda i: ModelDrafter(draft_model, generator=gen(10_000 + i)),
@@ -236,8 +248,8 @@ def test_speculative_sampling_is_exact_on_the_static_cache(toy, name):
 
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize("name", ["eagle_chain", "mtp", "draft_model", "self_spec", "dflash", "dspark", "hydra",
-                                  "eagle_chain_bf16", "dspark_bf16"])
+@pytest.mark.parametrize("name", ["eagle_chain", "eagle_pointer", "mtp", "draft_model", "self_spec", "dflash", "dspark",
+                                  "hydra", "eagle_chain_bf16", "dspark_bf16"])
 def test_drafted_tokens_follow_the_reported_q(toy, name, temperature):
     """A chain drafter's first token is drawn from exactly the q it hands the verifier (min(1, p/q) needs it).
 

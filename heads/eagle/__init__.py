@@ -30,6 +30,15 @@ EAGLE-3 (`Eagle3Head`, parameters named like SGLang's layout: `fc`, `midlayer.*`
     (batch["target_argmax"], stored at extraction, so training computes only the draft vocab's logits),
     loss_s = -sum(mask * sum_v p log q) / (B*T);  loss = sum_s ttt_decay**s * loss_s
     (head.loss: forward_kl, the default, is this; tv and kl_tv replace -sum_v p log q, see `token_loss`).
+  Pointer (head.pointer, parameters `ptr_q`, `ptr_k`, `ptr_gate`): a pointer over the request's positions,
+    mixed with the draft vocab's softmax. At step s of index t, with x = norm(o):
+      a_i = softmax_i(ptr_q(x) . ptr_k(f_i) / sqrt(H)) over the committed positions i <= t (f_i = the target's last
+            hidden state there, `batch["last"]`), pointing at i drafts x_{i+1} (the token that followed it);
+      g = sigmoid(ptr_gate(x));   P = (1 - g) * softmax(lm_head(x)) + g * sum_i a_i [x_{i+1}]
+    over the draft vocab extended by the copy tokens (the distinct x_{i+1}, i <= t, with t2d false; its own drafts
+    are not added), and log P is the head's logits. Training's label is the target's softmax over the same
+    extended set and its mask admits a target argmax there; a copy token the pointer cannot reach yet sits at
+    -1e9 (`copy_set`, `copy_allowed` in losses.py). No engine layout has it: convert refuses such a head.
   Metrics: `top1/s` = share of loss-masked positions (target argmax outside the draft vocab counted as
   misses) where the draft's argmax equals the target's argmax at step s; `n/s` their count; `chain/s` the
   share of step-0 positions whose steps 0..s all hit (heads.losses.chain_metrics).

@@ -36,6 +36,10 @@ class Eagle3Config(TokenLossConfig):
     intermediate_size: int | None = None  # draft MLP width; null = the target's
     # EAGLE-3.1 / speculators `norm_before_residual`: the layer's residual is hidden_norm(hidden), not hidden
     norm_before_residual: bool = False
+    # A pointer over the request's own positions, mixed with the draft vocab's softmax: the head's state queries the
+    # target's last hidden state at every committed position and drafts the token that followed it, so it can
+    # also draft the request's tokens outside the draft vocab. No engine layout has it: export refuses.
+    pointer: bool = False
 
 
 def default_layer_ids(num_layers: int) -> list[int]:

@@ -11,7 +11,10 @@ the target's real features (the rollback). The EAGLE-2 tree grows as heads.tree'
 decoder's rows) in one head pass per depth: each request's committed keys padded to the longest and masked, its
 draft rows batched; each drafter's next `draft` returns its chain. A drafter with `hold` set keeps its commit
 until its next draft or `EagleDrafter.settle_together(drafters)`, which runs the held commits of several
-requests in one head pass (their paths padded to the longest, each over its own committed rows).
+requests in one head pass (their paths padded to the longest, each over its own committed rows). A head.pointer
+head also keeps, per request, the pointer's key of every committed position and the token that followed it; its
+logits are then the log-probs over the draft vocab extended by the request's copy tokens (`_to_ids`, `_to_probs`
+map them back to target ids).
 
 Tests: `.venv/bin/python -m pytest -q tests/test_eagle.py tests/test_sampling_drafters.py -k eagle`.
 """
@@ -76,6 +79,12 @@ class EagleDrafter:
         # held commits of several requests in one head pass (the batched decoder sets it: eval.batch)
         self.hold = False
         self.held: tuple[list[int], Features] | None = None
+        # head.pointer: the request's tokens outside the draft vocab, in first-seen order (extended-vocab index V + i),
+        # and the pointer's keys of the committed positions with the extended-vocab index of the token after each
+        self.in_vocab: list[bool] | None = head.t2d.tolist() if getattr(head, "pointer", False) else None
+        self.copy_ids: list[int] = []
+        self.ptr_keys: torch.Tensor | None = None
+        self.ptr_ext: list[int] = []
 
     # -- rows
     def _rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -91,14 +100,56 @@ class EagleDrafter:
         return self.head.layer.finish(masked_attention(q, keys, vals, mask.to(self.device)), resid)
 
     def _logits(self, o: torch.Tensor) -> torch.Tensor:
-        return self.head.logits(o, self.target).float()
+        """The head's logits over its vocab: the draft vocab, then (head.pointer) this request's copy tokens."""
+        if self.ptr_keys is None:
+            return self.head.logits(o, self.target).float()
+        v = self.head.d2t.numel()
+        ext = torch.tensor(self.ptr_ext, dtype=torch.long, device=self.device)
+        return self.head.logits(o, self.target, (self.ptr_keys, ext, v + len(self.copy_ids), None)).float()
+
+    def _remember(self, tokens: list[int], last: torch.Tensor) -> None:
+        """head.pointer: the pointer's keys of newly committed positions (target's last hidden state [1, m, H]) and
+        the token after each (`tokens`, x_{p+1} for position p); tokens outside the draft vocab join the copy
+        tokens (training scores the same set at the same index: heads.eagle.losses.copy_set)."""
+        if self.in_vocab is None:
+            return
+        index = {t: i for i, t in enumerate(self.copy_ids)}
+        draft_index = torch.searchsorted(self.head.draft_ids(), torch.tensor(tokens, device=self.device)).tolist()
+        v = self.head.d2t.numel()
+        for j, tok in enumerate(tokens):
+            if self.in_vocab[tok]:
+                self.ptr_ext.append(draft_index[j])
+            else:
+                if tok not in index:
+                    index[tok] = len(self.copy_ids)
+                    self.copy_ids.append(tok)
+                self.ptr_ext.append(v + index[tok])
+        keys = self.head.pointer_keys(last.to(self.device))[0]
+        self.ptr_keys = keys if self.ptr_keys is None else torch.cat([self.ptr_keys, keys])
+
+    def _to_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Head-vocab ids (copy tokens after the draft vocab) -> target ids."""
+        if self.ptr_keys is None:
+            return self.head.to_target_ids(ids)
+        v = self.head.d2t.numel()
+        extra = torch.tensor(self.copy_ids + [0], dtype=torch.long, device=ids.device)
+        return torch.where(ids < v, self.head.to_target_ids(ids.clamp(max=v - 1)), extra[(ids - v).clamp(min=0)])
+
+    def _to_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """A distribution over the head's vocab (copy tokens after the draft vocab) -> over the target's."""
+        if self.ptr_keys is None:
+            return self.head.to_target_probs(q, self.target.vocab_size)
+        v = self.head.d2t.numel()
+        out = self.head.to_target_probs(q[..., :v], self.target.vocab_size)
+        out[..., torch.tensor(self.copy_ids, dtype=torch.long, device=q.device)] = q[..., v:]
+        return out
 
     def _draw(self, logits: torch.Tensor, temperature: float) -> tuple[int, torch.Tensor | None]:
         """One chain token from a logits row over the head's vocab, with this request's generator: (its target
         id, q over the target's vocab, None when greedy)."""
         tok_h, q = draft_token(logits, temperature, self.generator)
-        tok = int(self.head.to_target_ids(torch.tensor(tok_h, device=self.device)))
-        return tok, None if q is None else self.head.to_target_probs(q, self.target.vocab_size)
+        tok = int(self._to_ids(torch.tensor(tok_h, device=self.device)))
+        return tok, None if q is None else self._to_probs(q)
 
     @staticmethod
     def _check(tokens: list[int], features: Features | None) -> Features:
@@ -113,6 +164,7 @@ class EagleDrafter:
         feats = Features(last=features.last.to(self.device),
                          aux=None if features.aux is None else features.aux.to(self.device))
         hidden = self.head.project(feats)
+        self._remember(tokens, feats.last)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(self.n, self.n + m, device=self.device)
         causal = torch.ones(m, m, dtype=torch.bool).tril()
@@ -128,6 +180,7 @@ class EagleDrafter:
         self.n = 0
         self.tree_tokens, self.ready, self.held = [], None, None
         ids = prompt_ids.reshape(-1).tolist()
+        self.copy_ids, self.ptr_keys, self.ptr_ext = [], None, []
         self._extend(ids[1:] + [int(next_token)], features)
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
@@ -253,7 +306,7 @@ class EagleDrafter:
             keys, vals = torch.cat([keys, k], dim=2), torch.cat([vals, v], dim=2)
             seen = torch.cat([seen, torch.ones(b, 1, dtype=torch.bool, device=dev)], dim=1)
             hidden = head.layer.finish(masked_attention(q, keys, vals, seen[:, None, None, :]), resid)
-            logits = list(first._logits(hidden)[:, 0])
+            logits = EagleDrafter._logits_of([d for d, _ in rows], hidden)
         for i, (d, k) in enumerate(rows):
             t = torch.tensor(tokens[i], dtype=torch.long, device=dev)
             d.ready = (k, temperature, DraftTree.chain(t, torch.stack(probs[i]) if probs[i] else None))
@@ -315,15 +368,25 @@ class EagleDrafter:
         mask = torch.cat([seen[:, None, None, :].expand(b, 1, m, -1), causal.expand(b, 1, m, m)], dim=-1)
         o = head.layer.finish(masked_attention(q, keys, vals, mask), resid)  # [b, m, H]; rows past a path unread
         last = torch.cat([o[i:i + 1, n - 1:n] for i, n in enumerate(lens)])  # [b, 1, H]
-        logits = first._logits(last)
+        for d, (path, f) in zip(rows, held):
+            d._remember(path, f.last)
+        logits = EagleDrafter._logits_of(rows, last)
         for i, (d, n) in enumerate(zip(rows, lens)):
             d.cache.update(k[i:i + 1, :, :n], v[i:i + 1, :, :n], 0)
             d.n += n
-            d.last_o, d.last_logits = last[i:i + 1], logits[i, 0]
+            d.last_o, d.last_logits = last[i:i + 1], logits[i]
+
+    @staticmethod
+    def _logits_of(drafters: list[EagleDrafter], o: torch.Tensor) -> list[torch.Tensor]:
+        """The logits row of each request's output o[i] [1, H] (one pass for all, or one each for a
+        head.pointer head: every request has its own copy tokens)."""
+        if drafters[0].ptr_keys is None:
+            return list(drafters[0]._logits(o)[:, 0])
+        return [d._logits(o[i:i + 1])[0, 0] for i, d in enumerate(drafters)]
 
     def _draft_dynamic(self, depth: int, temperature: float) -> DraftTree:
         tree = grow_dynamic(self.last_logits, self._expand, depth, self._width(), self.total_tokens, temperature,
-                            self.head.to_target_ids, lambda q: self.head.to_target_probs(q, self.target.vocab_size))
+                            self._to_ids, self._to_probs)
         self.tree_tokens = tree.tokens.tolist()
         return tree
 
@@ -332,7 +395,7 @@ class EagleDrafter:
         [len(expand), head vocab], from which their children are proposed."""
         nodes = [pool.nodes[i] for i in expand]
         m = len(nodes)
-        toks = self.head.to_target_ids(torch.tensor([c.token for c in nodes], device=self.device))
+        toks = self._to_ids(torch.tensor([c.token for c in nodes], device=self.device))
         # each expanded node's state: (the draft rows its row sees, its own included; its PRE-norm output)
         hidden = torch.cat([self.last_o if c.parent < 0 else pool.nodes[c.parent].state[1] for c in nodes], dim=1)
         pos = torch.tensor([self.n - 1 + c.depth for c in nodes])  # depth-d rows at n-1+d, as in a chain

@@ -11,7 +11,8 @@ test attends over per-step key sets (`ttt_attention`) and drafting over a tree m
         project(features) -> hidden    step-0 hidden input from the target's features
         rows(emb, hidden, cos, sin) -> (q, k, v, residual)    the layer up to attention
         layer.finish(attention, residual) -> o                 the layer after attention (PRE-norm output)
-        logits(o, target)                                      over the head's vocab
+        logits(o, target[, pointer])                           over the head's vocab (EAGLE-3 with head.pointer:
+                                                               log-probs of its mixture with a pointer)
         to_target_ids / to_target_probs                        head vocab -> target vocab
 
 Tests: `.venv/bin/python -m pytest -q tests/test_eagle.py`.
@@ -224,6 +225,11 @@ class Eagle3Head(_EagleHead):
         self.midlayer = DecoderLayer(config, int(cfg.intermediate_size or config.intermediate_size), eagle3=True)
         self.norm = RMSNorm(h, float(getattr(config, "rms_norm_eps", 1e-6)))
         self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+        self.pointer = cfg.pointer
+        if cfg.pointer:  # a pointer over the request's positions: query from the head's state, keys from the target's
+            self.ptr_q = nn.Linear(h, h, bias=False)
+            self.ptr_k = nn.Linear(h, h, bias=False)
+            self.ptr_gate = nn.Linear(h, 1, bias=True)  # the pointer's share of the mixture, per position
         # Until `prepare` sets them from data: the first draft_vocab target ids.
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         t2d = torch.zeros(vocab, dtype=torch.bool)
@@ -248,8 +254,28 @@ class Eagle3Head(_EagleHead):
         # the fed-back PRE-norm output carries its scale into the next step (training and drafting both use rows)
         return q, k, v, normed if self.norm_before_residual else hidden
 
-    def logits(self, o: torch.Tensor, target: TargetIO) -> torch.Tensor:
-        return self.lm_head(self.norm(o))
+    def logits(self, o: torch.Tensor, target: TargetIO, pointer: tuple | None = None) -> torch.Tensor:
+        """Logits over the draft vocab; with `pointer` (head.pointer: keys [.., N, H] from `pointer_keys`, ext [.., N]
+        the extended-vocab index of the token after each key's position (broadcastable to the scores [.., Q, N]),
+        size V + M, mask [.., Q, N] or None) the log-probs of (1 - g) softmax(logits) + g * pointer over V + M."""
+        x = self.norm(o)
+        out = self.lm_head(x)
+        if pointer is None:
+            return out
+        keys, ext, size, mask = pointer
+        pv = out.float().softmax(-1)
+        g = torch.sigmoid(self.ptr_gate(x).float())
+        scores = (self.ptr_q(x) @ keys.to(x.dtype).transpose(-1, -2)).float() * keys.shape[-1] ** -0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        a = scores.softmax(-1)
+        pc = a.new_zeros(*a.shape[:-1], size).scatter_add(-1, ext.expand_as(a), a) * g
+        v = pv.shape[-1]
+        return torch.cat([pc[..., :v] + (1 - g) * pv, pc[..., v:]], dim=-1).clamp_min(1e-30).log()
+
+    def pointer_keys(self, last: torch.Tensor) -> torch.Tensor:
+        """head.pointer: the pointer's key of each position from the target's last hidden state there."""
+        return self.ptr_k(last.to(self.ptr_k.weight.dtype))
 
     def draft_ids(self) -> torch.Tensor:
         """Target id of every draft id: arange(draft_vocab) + d2t."""
@@ -285,4 +311,7 @@ def build(cfg: HeadConfig, target: TargetIO) -> nn.Module:
             raise ValueError(f"head.ttt_length {cfg.ttt_length}: must be >= 1")
         head = Eagle3Head(cfg, target.config, feature_layers(cfg, target.config))
     _init(head, std)
+    if getattr(head, "pointer", False):
+        with torch.no_grad():
+            head.ptr_gate.bias.fill_(-2.0)  # the pointer starts with a small share (g = 0.12)
     return head
