@@ -59,6 +59,11 @@ MUTANTS: list[Mutant] = [
            "return first[:, None, :] <= torch.arange(t, device=first.device)[None, :, None]",
            "return first[:, None, :] <= torch.arange(1, t + 1, device=first.device)[None, :, None]",
            ("tests/test_alignment.py", "-k", "pointer")),
+    # the pointer's scores scaled by 1/H instead of 1/sqrt(H): training and drafting share it, the direct mixture doesn't
+    Mutant("pointer_scores_mis_scaled", "heads/eagle/model.py",
+           ".float() * keys.shape[-1] ** -0.5",
+           ".float() * keys.shape[-1] ** -1.0",
+           ("tests/test_alignment.py", "-k", "pointer")),
     # the pointer sees its own position's successor: the causal mask one position wide
     Mutant("pointer_sees_the_next_position", "heads/eagle/losses.py",
            "causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()[None]",

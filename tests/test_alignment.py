@@ -154,7 +154,7 @@ def test_eagle3_pointer_drafts_the_requests_own_tokens_alike_in_training_and_dra
                         lambda logits, p, mask, *a: recorded.append((logits[0], p[0], mask[0])) or real_loss(logits, p, mask, *a))
 
     def training(seq: torch.Tensor) -> tuple[list[dict[int, float]], dict]:
-        """Per step, {target id: logit} at every index over the ids training scores there; the loss metrics."""
+        """Per step, {target id: log-probability} at every index over the ids training scores there; the metrics."""
         feats, _ = forward_features(model, seq, None, head.layer_ids)
         batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": torch.ones_like(seq),
                  "last": feats.last, "aux": feats.aux, "target_argmax": greedy_ids(model, feats.last).long()}
@@ -184,13 +184,23 @@ def test_eagle3_pointer_drafts_the_requests_own_tokens_alike_in_training_and_dra
             assert got.keys() == want.keys(), (s, n)
             assert max(abs(got[x] - want[x]) for x in want) < 1e-4, (s, n)
     assert copied > 0  # the drafter proposed copy tokens, so their mapping back to target ids was exercised
+    # The mixture itself, from scratch at the last begin (n positions): position i's key drafts x_{i+1}.
+    feats, _ = forward_features(model, ids[:, :n], None, head.layer_ids)
+    with torch.no_grad():
+        x = head.norm(d.last_o)[0, 0]
+        g = torch.sigmoid(head.ptr_gate(x))
+        a = (head.ptr_q(x) @ head.ptr_k(feats.last[0]).T / x.numel() ** 0.5).softmax(-1)
+        want = torch.zeros(io.vocab_size)
+        want[head.draft_ids()] = (1 - g) * head.lm_head(x).softmax(-1)
+        want.index_add_(0, ids[0, 1 : n + 1], g * a)
+    torch.testing.assert_close(d._to_probs(d.last_logits.exp()), want, atol=1e-5, rtol=1e-4)
 
     steps, metrics = training(ids)
     with torch.no_grad():
         target_logits = model(input_ids=ids).logits[0].float()
     for s in range(STEPS):
         loss = 0.0
-        for t in range(T - 2 - s):  # index t predicts x_{t+2+s} over draft vocab + the copy tokens of x_0 .. x_{t+1}
+        for t in range(T - 2 - s):  # index t predicts x_{t+2+s} over draft vocab + the copy tokens of x_1 .. x_{t+1}
             held = draft_ids + sorted({x for x in ids[0, 1 : t + 2].tolist() if x not in vocab})
             assert sorted(steps[s][t]) == sorted(held), (s, t)
             p = target_logits[t + 1 + s, held].softmax(-1)

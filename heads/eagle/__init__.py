@@ -39,8 +39,9 @@ EAGLE-3 (`Eagle3Head`, parameters named like SGLang's layout: `fc`, `midlayer.*`
     are not added), and log P is the head's logits. Training's label is the target's softmax over the same
     extended set and its mask admits a target argmax there; a copy token the pointer cannot reach yet sits at
     -1e9 (`copy_set`, `copy_allowed` in losses.py). No engine layout has it: convert refuses such a head.
-  Metrics: `top1/s` = share of loss-masked positions (target argmax outside the draft vocab counted as
-  misses) where the draft's argmax equals the target's argmax at step s; `n/s` their count; `chain/s` the
+  Metrics: `top1/s` = share of loss-masked positions (target argmax outside the draft vocab, or with
+  head.pointer outside the extended set, counted as misses) where the draft's argmax equals the target's argmax
+  at step s; `n/s` their count; `chain/s` the
   share of step-0 positions whose steps 0..s all hit (heads.losses.chain_metrics).
 
 Draft vocabulary (`prepare`): the N most frequent tokens among loss-masked training tokens (ties: lower id
