@@ -198,8 +198,9 @@ def refuses_speculators(head_config: dict) -> str:
 
 def refuses_sglang(head_config: dict) -> str:
     """Why a head cannot go to SGLang's layout ("" when it can)."""
-    if refuses_speculators(head_config):
-        return refuses_speculators(head_config)
+    why = refuses_speculators(head_config)
+    if why:
+        return why
     if head_config.get("norm_before_residual"):  # no key for it: the engine would compute the default forward
         return "head.norm_before_residual is true: the sglang layout has no such key; export speculators"
     return ""

@@ -81,10 +81,10 @@ class EagleDrafter:
         self.held: tuple[list[int], Features] | None = None
         # head.pointer: the request's tokens outside the draft vocab, in first-seen order (extended-vocab index V + i),
         # and the pointer's keys of the committed positions with the extended-vocab index of the token after each
-        self.in_vocab: list[bool] | None = head.t2d.tolist() if getattr(head, "pointer", False) else None
+        self.pointer = bool(getattr(head, "pointer", False))
         self.copy_ids: list[int] = []
         self.ptr_keys: torch.Tensor | None = None
-        self.ptr_ext: list[int] = []
+        self.ptr_ext: torch.Tensor | None = None
 
     # -- rows
     def _rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -104,27 +104,28 @@ class EagleDrafter:
         if self.ptr_keys is None:
             return self.head.logits(o, self.target).float()
         v = self.head.d2t.numel()
-        ext = torch.tensor(self.ptr_ext, dtype=torch.long, device=self.device)
-        return self.head.logits(o, self.target, (self.ptr_keys, ext, v + len(self.copy_ids), None)).float()
+        return self.head.logits(o, self.target, (self.ptr_keys, self.ptr_ext, v + len(self.copy_ids), None)).float()
 
     def _remember(self, tokens: list[int], last: torch.Tensor) -> None:
         """head.pointer: the pointer's keys of newly committed positions (target's last hidden state [1, m, H]) and
         the token after each (`tokens`, x_{p+1} for position p); tokens outside the draft vocab join the copy
         tokens (training scores the same set at the same index: heads.eagle.losses.copy_set)."""
-        if self.in_vocab is None:
+        if not self.pointer:
             return
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        in_vocab = self.head.t2d[ids].tolist()
+        draft_index = torch.searchsorted(self.head.draft_ids(), ids).tolist()
         index = {t: i for i, t in enumerate(self.copy_ids)}
-        draft_index = torch.searchsorted(self.head.draft_ids(), torch.tensor(tokens, device=self.device)).tolist()
         v = self.head.d2t.numel()
-        for j, tok in enumerate(tokens):
-            if self.in_vocab[tok]:
-                self.ptr_ext.append(draft_index[j])
-            else:
-                if tok not in index:
-                    index[tok] = len(self.copy_ids)
-                    self.copy_ids.append(tok)
-                self.ptr_ext.append(v + index[tok])
+        ext = []
+        for tok, inside, j in zip(tokens, in_vocab, draft_index):
+            if not inside and tok not in index:
+                index[tok] = len(self.copy_ids)
+                self.copy_ids.append(tok)
+            ext.append(j if inside else v + index[tok])
+        ext_t = torch.tensor(ext, dtype=torch.long, device=self.device)
         keys = self.head.pointer_keys(last.to(self.device))[0]
+        self.ptr_ext = ext_t if self.ptr_ext is None else torch.cat([self.ptr_ext, ext_t])
         self.ptr_keys = keys if self.ptr_keys is None else torch.cat([self.ptr_keys, keys])
 
     def _to_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -180,7 +181,7 @@ class EagleDrafter:
         self.n = 0
         self.tree_tokens, self.ready, self.held = [], None, None
         ids = prompt_ids.reshape(-1).tolist()
-        self.copy_ids, self.ptr_keys, self.ptr_ext = [], None, []
+        self.copy_ids, self.ptr_keys, self.ptr_ext = [], None, None
         self._extend(ids[1:] + [int(next_token)], features)
 
     def commit(self, accepted: list[int], features: Features | None, next_token: int) -> None:
